@@ -1,0 +1,1 @@
+"""Backends adapt the loop to a distribution strategy; see `cadence.engine.backend`."""

@@ -1,0 +1,111 @@
+"""One process on CPU, CUDA or MPS."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from cadence.engine.backend import Backend, move_to
+
+if TYPE_CHECKING:
+    from cadence.engine.engine import Engine, EngineConfig
+
+_NULL = contextlib.nullcontext()
+
+
+def default_device(requested: str | None = None, local_rank: int = 0) -> torch.device:
+    """The requested device, else CUDA (this rank's), else MPS, else CPU."""
+    if requested:
+        device = torch.device(requested)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {requested!r} was requested but CUDA is not available here")
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"device {requested!r} was requested but MPS is not available here")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+@attrs.define(kw_only=True)
+class Precision:
+    """Mixed precision for one device: an autocast context and, for fp16, a GradScaler."""
+
+    precision: str
+    device: torch.device
+    scaler: Any = None
+
+    @classmethod
+    def create(cls, precision: str, device: torch.device) -> Precision:
+        if precision == "fp16" and device.type != "cuda":
+            raise ValueError(f"precision 'fp16' needs a CUDA device (got {device}); use precision='bf16'")
+        scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+        return cls(precision=precision, device=device, scaler=scaler)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "fp32":
+            return _NULL
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+
+class LocalBackend(Backend):
+    """One process: device placement, autocast, file checkpoints; collectives are identities.
+
+    Args:
+        device: `"cpu"`, `"cuda"`, `"cuda:1"`, `"mps"`; None picks CUDA, then MPS, then CPU.
+        precision: `"fp32"`, `"bf16"` (autocast), or `"fp16"` (autocast + GradScaler, CUDA only).
+    """
+
+    name = "local"
+
+    def __init__(self, device: str | None = None, precision: str = "fp32") -> None:
+        self.requested_device = device
+        self.precision_name = precision
+        self.device = default_device(device)
+        self.precision = Precision.create(precision, self.device)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LocalBackend:
+        return cls(device=config.device, precision=config.precision)
+
+    def to_device(self, batch: Any) -> Any:
+        # CPU batches already live where the model does: skip the walk over them.
+        if self.device.type == "cpu":
+            return batch
+        return move_to(batch, self.device, non_blocking=self.device.type == "cuda")
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        if micro_batches > 1:
+            loss = loss / micro_batches
+        if self.precision.scaler is not None:
+            loss = self.precision.scaler.scale(loss)
+        loss.backward()
+
+    def finish_gradients(self, engine: Engine) -> None:
+        if self.precision.scaler is not None:
+            for optimizer in engine.optimizers:
+                self.precision.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, engine: Engine) -> None:
+        scaler = self.precision.scaler
+        if scaler is None:
+            for optimizer in engine.optimizers:
+                optimizer.step()
+            return
+        for optimizer in engine.optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+
+    def checkpoint_store(self, engine: Engine) -> Any:
+        from cadence.backends.file_store import FileStore
+
+        return FileStore()

@@ -1,0 +1,1 @@
+"""The engine room: loop, event bus, state, config and the backend contract."""

@@ -1,0 +1,209 @@
+"""The backend contract: how the loop talks to a distribution strategy.
+
+The loop never branches on which backend it has. A backend places and wraps
+the model, runs one step's micro-batches (forward, backward, gradient sync),
+steps the optimizers, answers collectives over two domains, and saves and
+loads checkpoints. `Backend` implements everything for one process; a
+distributed backend overrides what differs. See docs/backends.md.
+
+Domains: ``"data"`` is the group of ranks that see different data (metrics are
+reduced over it); ``"optimizer"`` is the group that must take the same
+optimizer decision (control requests are agreed over it). They coincide for
+DDP; a mesh backend may make them differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+
+from cadence.engine.events import Event
+
+if TYPE_CHECKING:
+    from cadence.engine.control import Requests
+    from cadence.engine.engine import Engine
+
+ReduceOp = Literal["sum", "mean", "max", "min"]
+Domain = Literal["data", "optimizer"]
+
+_NULL = contextlib.nullcontext()
+
+
+class Backend:
+    """Base backend: one process, no collectives. Subclasses override.
+
+    Attributes:
+        rank: global rank of this process.
+        world_size: number of processes.
+        local_rank: rank on this node.
+        data_rank: rank within the data domain (which shard of data this sees).
+        data_size: size of the data domain (how many shards).
+        device: where the model and batches live.
+    """
+
+    name: ClassVar[str] = "base"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    data_rank: int = 0
+    data_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        """True on the global main process (rank 0): it writes logs and files."""
+        return self.rank == 0
+
+    # -- lifecycle --------------------------------------------------------
+
+    def setup(self, engine: Engine) -> None:
+        """Join the process group, choose the device, place and wrap the model.
+
+        Sets `engine.wrapped_model` (what forward calls). Called once, before the
+        engine builds its data loaders and fires `on_setup`.
+        """
+        engine.model.to(self.device)
+        engine.wrapped_model = engine.model
+
+    def teardown(self) -> None:
+        """Release what `setup` acquired (process groups it created)."""
+
+    # -- the step ---------------------------------------------------------
+
+    def forward_backward(self, engine: Engine, micro_batches: Sequence[Any]) -> None:
+        """Run one optimizer step's micro-batches: forward, backward, sync.
+
+        Fires on_batch, on_forward and on_backward per micro-batch. Gradients
+        are synchronized on the last micro-batch only (`no_sync` on the others)
+        and each loss is divided by the number of micro-batches, so the step
+        sees the mean gradient. A pipeline backend overrides this to run its
+        schedule over all micro-batches at once.
+        """
+        last = len(micro_batches) - 1
+        fire = engine.fire
+        for i, batch in enumerate(micro_batches):
+            engine.batch = self.to_device(batch)
+            fire(Event.ON_BATCH)
+            with self.no_sync(i < last):
+                with self.autocast():
+                    engine.outputs, engine.loss = engine.compute_loss(engine.batch)
+                fire(Event.ON_FORWARD)
+                self.backward(engine.loss, last + 1)
+            fire(Event.ON_BACKWARD)
+
+    def to_device(self, batch: Any) -> Any:
+        """Move a batch (tensors in tuples, lists, dicts) to `device`."""
+        return move_to(batch, self.device, non_blocking=self.device.type == "cuda")
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Mixed-precision context for forward; a no-op in fp32."""
+        return _NULL
+
+    def no_sync(self, skip_sync: bool) -> contextlib.AbstractContextManager[Any]:
+        """Context in which gradients accumulate without being synchronized."""
+        return _NULL
+
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        (loss / micro_batches if micro_batches > 1 else loss).backward()
+
+    def finish_gradients(self, engine: Engine) -> None:
+        """Make gradients final before on_before_optimizer_step (e.g. unscale fp16)."""
+
+    def optimizer_step(self, engine: Engine) -> None:
+        for optimizer in engine.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, engine: Engine) -> None:
+        for optimizer in engine.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def clip_grad_norm_(self, engine: Engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients of the model together; returns the pre-clip total norm."""
+        return torch.nn.utils.clip_grad_norm_(
+            [p for p in engine.model.parameters() if p.grad is not None], max_norm, norm_type=norm_type, foreach=True
+        )
+
+    # -- collectives --------------------------------------------------------
+
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", domain: Domain = "data") -> torch.Tensor:
+        """All-reduce `tensor` over `domain`; returns the result (the input here)."""
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, domain: Domain = "data") -> torch.Tensor:
+        """Stack `tensor` from every rank of `domain` along a new first dimension."""
+        return tensor.unsqueeze(0)
+
+    def agree(self, requests: Requests) -> None:
+        """Agree every pending control request across the optimizer domain (MAX)."""
+        requests.accept(requests.pending)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait for every rank."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from `src` to every rank; returns it."""
+        return obj
+
+    # -- state ------------------------------------------------------------
+
+    def model_state_dict(self, engine: Engine) -> dict[str, Any]:
+        return engine.model.state_dict()
+
+    def load_model_state_dict(self, engine: Engine, state: dict[str, Any], strict: bool = True) -> Any:
+        return engine.model.load_state_dict(state, strict=strict)
+
+    def optimizer_state_dicts(self, engine: Engine) -> list[dict[str, Any]]:
+        return [optimizer.state_dict() for optimizer in engine.optimizers]
+
+    def load_optimizer_state_dicts(self, engine: Engine, states: Sequence[dict[str, Any]]) -> None:
+        if len(states) != len(engine.optimizers):
+            raise ValueError(f"checkpoint has {len(states)} optimizer states, the engine has {len(engine.optimizers)} optimizers")
+        for optimizer, state in zip(engine.optimizers, states):
+            optimizer.load_state_dict(state)
+
+    def checkpoint_store(self, engine: Engine) -> Any:
+        """The store that writes and reads checkpoints for this backend."""
+        raise NotImplementedError(f"backend {self.name!r} provides no checkpoint store")
+
+    def describe(self) -> str:
+        return f"{self.name}(rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+def move_to(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move tensors nested in tuples, lists, dicts and attrs/dataclass-free containers."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, tuple):
+        moved = [move_to(x, device, non_blocking) for x in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
+    if isinstance(batch, list):
+        return [move_to(x, device, non_blocking) for x in batch]
+    if isinstance(batch, dict):
+        return type(batch)((k, move_to(v, device, non_blocking)) for k, v in batch.items())
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """Number of samples in a batch: the first dimension of its first tensor (1 if none)."""
+    while True:
+        if isinstance(batch, torch.Tensor):
+            return batch.shape[0] if batch.dim() else 1
+        if isinstance(batch, (tuple, list)) and batch:
+            batch = batch[0]
+        elif isinstance(batch, dict) and batch:
+            batch = next(iter(batch.values()))
+        else:
+            return 1
+
+
+@contextlib.contextmanager
+def restore_training_mode(model: torch.nn.Module, training: bool) -> Iterator[None]:
+    was = model.training
+    model.train(training)
+    try:
+        yield
+    finally:
+        model.train(was)

@@ -1,0 +1,105 @@
+"""The callback base class: one no-op method per event."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from cadence.engine.events import Event
+
+if TYPE_CHECKING:
+    from cadence.engine.engine import Engine
+
+
+class Callback:
+    """Base class for everything that reacts to the loop's events.
+
+    Override the `on_<event>` methods you need; the bus calls only the ones a
+    subclass overrides, so an unused hook costs nothing. Callbacks run in one
+    total order: `order` (lower first), then registration order, adjusted by
+    `after` / `before` constraints (tuples of `state_key`s).
+
+    A callback that has state implements `state_dict()` / `load_state_dict()`;
+    it is saved in every checkpoint under `state_key` (by default the class's
+    qualified name; pass another to register two instances).
+
+    Example:
+        >>> import cadence
+        >>> class CountSteps(cadence.Callback):
+        ...     def __init__(self):
+        ...         self.steps = 0
+        ...     def on_step_end(self, engine):
+        ...         self.steps += 1
+        ...     def state_dict(self):
+        ...         return {"steps": self.steps}
+        ...     def load_state_dict(self, state):
+        ...         self.steps = state["steps"]
+    """
+
+    #: Position in the total order; see `cadence.Order` for the built-ins'.
+    order: ClassVar[int] = 50
+    #: `state_key`s of callbacks this one must run after / before.
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint (must be unique)."""
+        key = self.__dict__.get("_state_key")
+        return key if key is not None else type(self).__qualname__
+
+    @state_key.setter
+    def state_key(self, value: str) -> None:
+        self.__dict__["_state_key"] = value
+
+    def has_state(self) -> bool:
+        """Whether this callback defines its own `state_dict`."""
+        return type(self).state_dict is not Callback.state_dict
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to save in a checkpoint. The default has none."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}(state_key={self.state_key!r}, order={self.order})"
+
+    # One no-op per Event; their names are checked against Event in tests.
+    def on_setup(self, engine: Engine) -> None: ...
+    def on_load(self, engine: Engine) -> None: ...
+    def on_fit_start(self, engine: Engine) -> None: ...
+    def on_epoch_start(self, engine: Engine) -> None: ...
+    def on_step_start(self, engine: Engine) -> None: ...
+    def on_batch(self, engine: Engine) -> None: ...
+    def on_forward(self, engine: Engine) -> None: ...
+    def on_backward(self, engine: Engine) -> None: ...
+    def on_before_optimizer_step(self, engine: Engine) -> None: ...
+    def on_optimizer_step(self, engine: Engine) -> None: ...
+    def on_step_end(self, engine: Engine) -> None: ...
+    def on_log(self, engine: Engine) -> None: ...
+    def on_epoch_end(self, engine: Engine) -> None: ...
+    def on_fit_end(self, engine: Engine) -> None: ...
+    def on_eval_start(self, engine: Engine) -> None: ...
+    def on_eval_batch(self, engine: Engine) -> None: ...
+    def on_eval_end(self, engine: Engine) -> None: ...
+    def on_predict_start(self, engine: Engine) -> None: ...
+    def on_predict_batch(self, engine: Engine) -> None: ...
+    def on_predict_end(self, engine: Engine) -> None: ...
+    def on_save(self, engine: Engine) -> None: ...
+    def on_exception(self, engine: Engine) -> None: ...
+    def on_teardown(self, engine: Engine) -> None: ...
+
+
+HOOK_NAMES: tuple[str, ...] = tuple(event.value for event in Event)
+
+
+def overridden_hooks(callback: object) -> list[Event]:
+    """The events whose hook `callback` defines itself (not Callback's no-op)."""
+    events = []
+    for event in Event:
+        method = getattr(type(callback), event.value, None)
+        if method is None or method is getattr(Callback, event.value):
+            continue
+        events.append(event)
+    return events

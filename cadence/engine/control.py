@@ -1,0 +1,64 @@
+"""Control requests that callbacks raise and all ranks agree on."""
+
+from __future__ import annotations
+
+
+class Requests:
+    """Pending control requests, agreed across ranks once per step.
+
+    A callback never branches the loop on its own rank: it raises a request
+    (`skip` this optimizer step, `stop`, `save` now, or one it registers), and
+    the backend agrees on every request with one MAX all-reduce over a small
+    integer vector, so every rank sees the same values at the same step.
+
+    Values are non-negative ints: 0 means "not requested"; a callback may use a
+    larger value to carry information (MAX keeps the largest, so encoding
+    `world_size - rank` makes the lowest requesting rank win).
+
+    After agreement, `agreed[name]` (and `engine.agreed(name)`) hold the values
+    every rank saw; `pending` is cleared.
+    """
+
+    BUILTIN = ("skip", "stop", "save")
+
+    def __init__(self) -> None:
+        self.names: list[str] = list(self.BUILTIN)
+        self.index: dict[str, int] = {n: i for i, n in enumerate(self.names)}
+        self.pending: list[int] = [0] * len(self.names)
+        self.agreed: list[int] = [0] * len(self.names)
+        self.any_pending = False
+        self.reasons: dict[str, str] = {}
+
+    def register(self, name: str) -> int:
+        """Add a request kind (idempotent); returns its slot."""
+        if name not in self.index:
+            self.index[name] = len(self.names)
+            self.names.append(name)
+            self.pending.append(0)
+            self.agreed.append(0)
+        return self.index[name]
+
+    def request(self, name: str, value: int = 1, reason: str | None = None) -> None:
+        try:
+            slot = self.index[name]
+        except KeyError:
+            raise KeyError(f"unknown control request {name!r}; known: {self.names}. Register it first.") from None
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"request {name!r}: value must be an int >= 1, got {value!r}")
+        self.pending[slot] = max(self.pending[slot], value)
+        self.any_pending = True
+        if reason is not None:
+            self.reasons[name] = reason
+
+    def accept(self, agreed: list[int]) -> None:
+        """Take the agreed values (from the backend) and clear what was pending."""
+        self.agreed[:] = agreed
+        if self.any_pending:
+            self.pending[:] = [0] * len(self.pending)
+            self.any_pending = False
+
+    def clear_agreed(self) -> None:
+        self.agreed[:] = [0] * len(self.agreed)
+
+    def get(self, name: str) -> int:
+        return self.agreed[self.index[name]]

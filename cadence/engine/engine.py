@@ -1,0 +1,609 @@
+"""The engine: one loop that fires events to ordered callbacks."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import secrets
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from cadence.engine import config as config_module
+from cadence.engine import registry
+from cadence.engine.backend import Backend, batch_size, restore_training_mode
+from cadence.engine.bus import EventBus, Handle
+from cadence.engine.control import Requests
+from cadence.engine.data import DataConfig, DataSource
+from cadence.engine.events import Event
+from cadence.engine.metrics import MetricStore, Reduction
+from cadence.engine.state import State, seed_everything
+
+logger = logging.getLogger("cadence")
+
+_END = object()
+
+
+@attrs.define(kw_only=True)
+class EngineConfig:
+    """What the loop does; each callback and backend has its own config.
+
+    Attributes:
+        steps: total optimizer steps that `fit()` trains to (step mode).
+        epochs: total epochs that `fit()` trains to (epoch mode).
+        grad_accum: micro-batches per optimizer step (gradient accumulation).
+        eval_every_epochs: evaluate after every N epochs (None: never at epoch end).
+        eval_every_steps: evaluate after every N steps (None: never mid-epoch).
+        log_interval: reduce logged metrics and fire on_log every N steps.
+        precision: fp32, bf16 (autocast) or fp16 (autocast with a GradScaler, CUDA only).
+        device: cpu, cuda, cuda:1, mps; None picks the backend's default.
+        backend: backend name (auto, local, ddp, ...); auto picks ddp when WORLD_SIZE > 1.
+        seed: seeds python, numpy and torch (plus the rank) and data shuffling; None draws one and records it.
+        workspace: root folder of run directories (`workspace/lineage[-code_id]/run_id/`).
+        lineage: name grouping the runs of one experiment.
+        run_id: the run's folder name; None derives a stable one from the config.
+        train: loader settings for training data given as a Dataset.
+        eval: loader settings for evaluation data given as a Dataset.
+        predict: loader settings for prediction data given as a Dataset.
+    """
+
+    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
+    epochs: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
+    grad_accum: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    eval_every_epochs: int | None = attrs.field(default=1, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    eval_every_steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    log_interval: int = attrs.field(default=50, validator=attrs.validators.ge(1))
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: str | None = None
+    backend: str = "auto"
+    seed: int | None = None
+    workspace: str = "runs"
+    lineage: str = "default"
+    run_id: str | None = None
+    train: DataConfig = attrs.field(factory=DataConfig)
+    eval: DataConfig = attrs.field(factory=DataConfig)
+    predict: DataConfig = attrs.field(factory=DataConfig)
+
+
+StepFn = Callable[[torch.nn.Module, Any], Any]
+
+
+class Engine:
+    """Trains, evaluates and predicts by firing `Event`s to ordered callbacks.
+
+    Args:
+        model: the `torch.nn.Module` to train.
+        optimizer: one optimizer or a sequence of them (None for evaluation only).
+        train_data: a `Dataset` (the engine builds a seeded StatefulDataLoader),
+            a `DataLoader`, or any iterable of batches (used as given).
+        loss_fn: `loss_fn(model(inputs), targets)` for batches `(inputs, targets)`.
+        step_fn: `step_fn(model, batch)` returning the loss, or a mapping with
+            a `"loss"` key; use it for anything beyond inputs/targets. Without
+            `loss_fn` or `step_fn`, `model(batch)` must return the loss (or a
+            mapping / object with a `loss`).
+        eval_fn: `eval_fn(model, batch)` returning a mapping of per-batch mean
+            metrics; the default is the training loss. Evaluation reduces them
+            exactly (weighted by batch size) across ranks.
+        scheduler: an LR scheduler stepped every optimizer step (register
+            `cadence.callbacks.LRScheduler` yourself for other intervals).
+        eval_data, predict_data: like `train_data`.
+        callbacks: callback instances, registered in this order.
+        backend: a `Backend` instance or a name (`"auto"`, `"local"`, `"ddp"`, ...).
+        config: an `EngineConfig` or a mapping structured into one.
+        run_config: the whole configuration of the run (any attrs object),
+            recorded in checkpoints and the run directory; default `config`.
+        **overrides: `EngineConfig` fields, e.g. `epochs=3`.
+
+    Example:
+        >>> import torch, cadence
+        >>> model = torch.nn.Linear(4, 1)
+        >>> data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(10)]
+        >>> engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...                         loss_fn=torch.nn.functional.mse_loss, seed=0)
+        >>> engine.fit(steps=5)
+        >>> engine.state.step
+        5
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        train_data: Any = None,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        step_fn: StepFn | None = None,
+        eval_fn: Callable[[torch.nn.Module, Any], Mapping[str, Any]] | None = None,
+        scheduler: Any = None,
+        eval_data: Any = None,
+        predict_data: Any = None,
+        callbacks: Iterable[Any] = (),
+        backend: Backend | str | None = None,
+        config: EngineConfig | Mapping[str, Any] | None = None,
+        run_config: Any = None,
+        **overrides: Any,
+    ) -> None:
+        self.config = _build_config(config, overrides, backend)
+        self._run_config = run_config
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if loss_fn is not None and step_fn is not None:
+            raise ValueError("give loss_fn or step_fn, not both")
+        self.model = model
+        self.wrapped_model: torch.nn.Module = model
+        self.optimizers: list[torch.optim.Optimizer] = _as_list(optimizer)
+        self.schedulers: list[Any] = _as_list(scheduler)
+        self.loss_fn, self.step_fn, self.eval_fn = loss_fn, step_fn, eval_fn
+        self.state = State()
+        self.requests = Requests()
+        self.metrics = MetricStore()
+        self.logged: dict[str, float] = {}
+        self.eval_results: dict[str, dict[str, float]] = {}
+        self.batch: Any = None
+        self.outputs: Any = None
+        self.batch_metrics: Mapping[str, Any] = {}
+        self.loss: torch.Tensor | None = None
+        self.exception: BaseException | None = None
+        self._bus = EventBus(self)
+        self.fire = self._bus.fire
+        self._running = False
+        self._setup_done = False
+        self._epoch_iter: Iterator[Any] | None = None
+        self._pending: Sequence[Any] | None = None
+        self._train_position_restored = False
+        self._active_metrics = self.metrics
+        self._run_dir: Path | None = None
+        self.long_operation_name: str | None = None
+        self.backend = _make_backend(backend if backend is not None else self.config.backend, self.config)
+        self.backend.setup(self)
+        if self.config.seed is None:
+            seed = self.backend.broadcast_object(secrets.randbelow(2**31))
+            self.config = attrs.evolve(self.config, seed=seed)
+        self.seed: int = self.config.seed  # type: ignore[assignment]
+        seed_everything(self.seed + self.backend.rank)
+        self.data: dict[str, DataSource] = {}
+        for split, data, data_config in (
+            ("train", train_data, self.config.train),
+            ("eval", eval_data, self.config.eval),
+            ("predict", predict_data, self.config.predict),
+        ):
+            if data is not None:
+                self.data[split] = self._data_source(data, data_config, split)
+        for callback in callbacks:
+            self.add_callback(callback)
+        if self.schedulers:
+            self.add_callback(registry.callbacks.resolve("lr_scheduler")())
+
+    # -- callbacks --------------------------------------------------------
+
+    def add_callback(self, callback: Any) -> Handle:
+        """Register a callback instance; returns a handle whose `remove()` unregisters it."""
+        return self._bus.add(callback)
+
+    def on(
+        self,
+        event: Event | str,
+        *,
+        every: int | None = None,
+        once: int | None = None,
+        when: Callable[[Engine], bool] | None = None,
+        order: int = 50,
+    ) -> Callable[[Callable[[Engine], Any]], Handle]:
+        """Decorator registering a function `fn(engine)` on one event.
+
+        Example:
+            >>> @engine.on(cadence.Event.ON_STEP_END, every=2)   # doctest: +SKIP
+            ... def report(engine):
+            ...     print(engine.state.step)
+        """
+        return self._bus.on(event, every=every, once=once, when=when, order=order)
+
+    @property
+    def callbacks(self) -> tuple[Any, ...]:
+        """Registered callbacks in their resolved order (the order of every event)."""
+        return self._bus.ordered
+
+    def hooks(self, event: Event | str) -> tuple[Callable[[Engine], None], ...]:
+        """The bound hooks an event calls, in order."""
+        return self._bus.table[Event(event)]
+
+    # -- the run ------------------------------------------------------------
+
+    @property
+    def run_config(self) -> Any:
+        """The configuration this run is recorded under (checkpoints, run directory)."""
+        return self._run_config if self._run_config is not None else self.config
+
+    @property
+    def run_dir(self) -> Path:
+        """This run's directory, `workspace/lineage[-code_id]/run_id/` (see docs/run-directory.md)."""
+        if self._run_dir is None:
+            from cadence.engine.rundir import resolve_run_dir
+
+            self._run_dir = resolve_run_dir(self)
+        return self._run_dir
+
+    @contextlib.contextmanager
+    def long_operation(self, name: str) -> Iterator[None]:
+        """Mark a long blocking operation (a checkpoint save) so watchdogs pause."""
+        previous, self.long_operation_name = self.long_operation_name, name
+        try:
+            yield
+        finally:
+            self.long_operation_name = previous
+
+    # -- control ------------------------------------------------------------
+
+    def request(self, name: str, value: int = 1, reason: str | None = None) -> None:
+        """Raise a control request; it takes effect once agreed across ranks."""
+        self.requests.request(name, value, reason)
+
+    def request_skip(self, reason: str | None = None) -> None:
+        """Skip this optimizer step on every rank (agreed before the step)."""
+        self.requests.request("skip", 1, reason)
+
+    def request_stop(self, reason: str | None = None) -> None:
+        """Stop fitting on every rank after the step at which it is agreed."""
+        self.requests.request("stop", 1, reason)
+
+    def request_save(self, reason: str | None = None) -> None:
+        """Ask the checkpoint callback to save at the step at which it is agreed."""
+        self.requests.request("save", 1, reason)
+
+    def agreed(self, name: str) -> int:
+        """The value of a request agreed at the last agreement (0: not requested)."""
+        return self.requests.get(name)
+
+    def log(self, name: str, value: Any, reduce: Reduction = "mean", weight: float = 1.0) -> None:
+        """Record a metric; reduced across ranks at the next log interval.
+
+        Inside evaluation the name is prefixed with the split (`val.`).
+        Values stay on the device until then: no host sync per call.
+        """
+        self._active_metrics.log(self._metric_prefix + name, value, reduce, weight)
+
+    _metric_prefix = ""
+
+    # -- running ------------------------------------------------------------
+
+    def fit(self, steps: int | None = None, epochs: int | None = None) -> None:
+        """Train for `steps` more steps or `epochs` more epochs.
+
+        With neither, train until `config.steps` / `config.epochs` (absolute
+        targets, so a resumed run finishes where it would have). Re-entrant:
+        `fit(steps=100)` twice trains 200 steps.
+        """
+        stop_step, stop_epoch = self._budget(steps, epochs)
+        with self._run():
+            self._fit(stop_step, stop_epoch)
+
+    def _fit(self, stop_step: float, stop_epoch: float) -> None:
+        state, fire, backend, requests = self.state, self.fire, self.backend, self.requests
+        skip, stop = requests.index["skip"], requests.index["stop"]
+        log_interval, eval_every = self.config.log_interval, self.config.eval_every_steps
+        requests.clear_agreed()
+        fire(Event.ON_FIT_START)
+        while state.step < stop_step and state.epoch < stop_epoch and not requests.agreed[stop]:
+            if state.batch_in_epoch == 0:
+                fire(Event.ON_EPOCH_START)
+            for micro_batches in self._steps_of_epoch():
+                fire(Event.ON_STEP_START)
+                backend.forward_backward(self, micro_batches)  # on_batch, on_forward, on_backward
+                backend.finish_gradients(self)
+                fire(Event.ON_BEFORE_OPTIMIZER_STEP)
+                backend.agree(requests)  # one small collective: skip / stop / save / ...
+                if not requests.agreed[skip]:
+                    backend.optimizer_step(self)
+                    fire(Event.ON_OPTIMIZER_STEP)
+                backend.zero_grad(self)
+                self._count_step(micro_batches, skipped=requests.agreed[skip])
+                fire(Event.ON_STEP_END)
+                if state.step % log_interval == 0:
+                    self._log_metrics()
+                if eval_every and state.step % eval_every == 0 and "eval" in self.data:
+                    self.evaluate()
+                if requests.agreed[stop] or state.step >= stop_step:
+                    break
+            else:  # the epoch's data ran out
+                self._end_epoch()
+        fire(Event.ON_FIT_END)
+
+    def _steps_of_epoch(self) -> Iterator[Sequence[Any]]:
+        """The micro-batches of each step until the epoch's data runs out.
+
+        A step's micro-batches are all fetched before on_step_start, so the
+        loop knows which one is last (gradient sync) and never starts a step
+        it has no data for. Fetched but unfinished micro-batches (an
+        interrupt) are kept and used first by the next fit.
+        """
+        accum = self.config.grad_accum
+        while True:
+            if self._pending is None:
+                if self._epoch_iter is None:
+                    self._epoch_iter = self._open_epoch()
+                if accum == 1:
+                    batch = next(self._epoch_iter, _END)
+                    group: Sequence[Any] = () if batch is _END else (batch,)
+                else:
+                    group = list(itertools.islice(self._epoch_iter, accum))
+                if not group:
+                    self._epoch_iter = None
+                    return
+                self._pending = group
+            yield self._pending
+
+    def _open_epoch(self) -> Iterator[Any]:
+        source = self._train_source()
+        state = self.state
+        if state.batch_in_epoch == 0 or self._train_position_restored:
+            self._train_position_restored = False
+            return source.epoch_iter(state.epoch, fresh=state.batch_in_epoch == 0)
+        # The data cannot restore its position itself: replay the epoch to it.
+        logger.warning(
+            "train data (%s) has no saved position; replaying %d batches of epoch %d to reach it",
+            type(source.loader).__name__, state.batch_in_epoch, state.epoch,
+        )
+        iterator = source.epoch_iter(state.epoch, fresh=True)
+        for _ in range(state.batch_in_epoch):
+            next(iterator, None)
+        return iterator
+
+    def _count_step(self, micro_batches: Sequence[Any], skipped: int) -> None:
+        state = self.state
+        n = len(micro_batches)
+        state.micro_step += n
+        state.batch_in_epoch += n
+        for batch in micro_batches:
+            state.samples_seen += batch_size(batch)
+        if skipped:
+            state.skipped_steps += 1
+            state.consecutive_skips += 1
+        elif state.consecutive_skips:
+            state.consecutive_skips = 0
+        state.step += 1
+        self._pending = None
+
+    def _end_epoch(self) -> None:
+        every = self.config.eval_every_epochs
+        if every and (self.state.epoch + 1) % every == 0 and "eval" in self.data:
+            self.evaluate()
+        self.state.epoch += 1
+        self.state.batch_in_epoch = 0
+        self.fire(Event.ON_EPOCH_END)
+        # Requests raised at epoch end (early stopping after evaluation) are
+        # agreed here so the stop happens before another epoch starts.
+        self.backend.agree(self.requests)
+
+    def _log_metrics(self) -> None:
+        if self.metrics:
+            self.logged = self.metrics.compute(self.backend)
+            self.fire(Event.ON_LOG)
+
+    def evaluate(self, data: Any = None, split: str = "val") -> dict[str, float]:
+        """Evaluate on `data` (default: the engine's eval data); returns `{split.name: value}`.
+
+        Metrics from `eval_fn` (default: the loss) and from `engine.log` calls
+        made during evaluation are reduced exactly across ranks: the sum of
+        value x batch size over the sum of batch sizes, not a mean of means.
+        """
+        source = self._source(data, "eval")
+        with self._run(), torch.no_grad(), restore_training_mode(self.model, False):
+            store = MetricStore()
+            self._active_metrics, self._metric_prefix = store, f"{split}."
+            try:
+                self.fire(Event.ON_EVAL_START)
+                for batch in source.epoch_iter(0, fresh=True):
+                    self.batch = self.backend.to_device(batch)
+                    with self.backend.autocast():
+                        metrics = self._eval_metrics(self.batch)
+                    weight = float(batch_size(self.batch))
+                    for name, value in metrics.items():
+                        store.log(f"{split}.{name}", value, "mean", weight)
+                    self.batch_metrics = metrics
+                    self.fire(Event.ON_EVAL_BATCH)
+                results = store.compute(self.backend)
+            finally:
+                self._active_metrics, self._metric_prefix = self.metrics, ""
+            self.eval_results[split] = results
+            self.logged = dict(results)
+            self.fire(Event.ON_LOG)
+            self.fire(Event.ON_EVAL_END)
+        return results
+
+    def predict(self, data: Any = None) -> list[Any]:
+        """Run the model on every batch of `data` (default: predict data); returns the outputs."""
+        source = self._source(data, "predict")
+        outputs: list[Any] = []
+        with self._run(), torch.no_grad(), restore_training_mode(self.model, False):
+            self.fire(Event.ON_PREDICT_START)
+            for batch in source.epoch_iter(0, fresh=True):
+                self.batch = self.backend.to_device(batch)
+                with self.backend.autocast():
+                    inputs = self.batch[0] if isinstance(self.batch, (tuple, list)) else self.batch
+                    self.outputs = self.wrapped_model(inputs)
+                self.fire(Event.ON_PREDICT_BATCH)
+                outputs.append(self.outputs)
+            self.fire(Event.ON_PREDICT_END)
+        return outputs
+
+    @contextlib.contextmanager
+    def _run(self) -> Iterator[None]:
+        """One top-level run: setup once, on_exception on error, on_teardown always."""
+        if self._running:  # evaluate() inside fit()
+            yield
+            return
+        if not self._setup_done:
+            self._setup_done = True
+            self.fire(Event.ON_SETUP)
+        self._running = True
+        try:
+            yield
+        except BaseException as exc:
+            self.exception = exc
+            for error in self._bus.fire_all(Event.ON_EXCEPTION):
+                logger.error("%s (while handling %r)", error, exc)
+            with contextlib.suppress(Exception):
+                self.backend.zero_grad(self)
+            raise
+        finally:
+            self._running = False
+            errors = self._bus.fire_all(Event.ON_TEARDOWN)
+            failed, self.exception = self.exception, None
+            if errors and failed is None:
+                raise errors[0]
+            for error in errors:
+                logger.error("%s", error)
+
+    def close(self) -> None:
+        """Release the backend's resources (process groups it created)."""
+        self.backend.teardown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the forward pass ----------------------------------------------------
+
+    def compute_loss(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        """Forward one batch; returns `(outputs, loss)`. Runs under autocast."""
+        model = self.wrapped_model
+        if self.step_fn is not None:
+            result = self.step_fn(model, batch)
+            return result, _loss_of(result, "step_fn")
+        if self.loss_fn is not None:
+            inputs, targets = _split_batch(batch)
+            outputs = model(inputs)
+            return outputs, self.loss_fn(outputs, targets)
+        outputs = model(batch)
+        return outputs, _loss_of(outputs, "the model")
+
+    def _eval_metrics(self, batch: Any) -> Mapping[str, Any]:
+        if self.eval_fn is not None:
+            metrics = self.eval_fn(self.wrapped_model, batch)
+            if not isinstance(metrics, Mapping):
+                raise TypeError(f"eval_fn must return a mapping of metric name to value, got {type(metrics).__name__}")
+            return metrics
+        self.outputs, loss = self.compute_loss(batch)
+        return {"loss": loss}
+
+    # -- plumbing -------------------------------------------------------------
+
+    def _budget(self, steps: int | None, epochs: int | None) -> tuple[float, float]:
+        for name, value in (("steps", steps), ("epochs", epochs)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"fit({name}=...) must be an int >= 0, got {value!r}")
+        if steps is not None or epochs is not None:
+            return (
+                self.state.step + steps if steps is not None else math.inf,
+                self.state.epoch + epochs if epochs is not None else math.inf,
+            )
+        if self.config.steps is None and self.config.epochs is None:
+            raise ValueError("nothing to fit: pass fit(steps=...) or fit(epochs=...), or set config steps / epochs")
+        return (
+            self.config.steps if self.config.steps is not None else math.inf,
+            self.config.epochs if self.config.epochs is not None else math.inf,
+        )
+
+    def _data_source(self, data: Any, config: DataConfig, split: str) -> DataSource:
+        if split == "train" and config.shuffle is None:
+            config = attrs.evolve(config, shuffle=True)
+        device = self.backend.device
+        return DataSource(
+            data, config, split=split, seed=self.seed,
+            data_rank=self.backend.data_rank, data_size=self.backend.data_size,
+            pin_memory_device=device.type if device.type != "cpu" else "",
+        )
+
+    def _train_source(self) -> DataSource:
+        if "train" not in self.data:
+            raise ValueError("fit() needs train_data: pass it to Engine(...)")
+        if not self.optimizers:
+            raise ValueError("fit() needs an optimizer: pass it to Engine(...)")
+        return self.data["train"]
+
+    def _source(self, data: Any, split: str) -> DataSource:
+        if data is not None:
+            return self._data_source(data, getattr(self.config, split), split)
+        if split not in self.data:
+            raise ValueError(f"no {split} data: pass {split}_data to Engine(...) or data to this call")
+        return self.data[split]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's counters (with the last loss as a float)."""
+        if self.loss is not None:
+            self.state.last_loss = float(self.loss.detach())
+        return self.state.state_dict()
+
+    def __repr__(self) -> str:
+        return f"Engine(step={self.state.step}, epoch={self.state.epoch}, backend={self.backend.describe()}, callbacks={len(self.callbacks)})"
+
+
+def _build_config(config: Any, overrides: dict[str, Any], backend: Any) -> EngineConfig:
+    if config is None:
+        data: dict[str, Any] = {}
+    elif isinstance(config, EngineConfig):
+        data = config_module.unstructure(config)
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    else:
+        raise TypeError(f"config must be an EngineConfig or a mapping, got {type(config).__name__}")
+    data = config_module.merge(data, {k: _plain(v) for k, v in overrides.items()})
+    if isinstance(backend, str):
+        data["backend"] = backend
+    return config_module.structure(EngineConfig, data)
+
+
+def _plain(value: Any) -> Any:
+    return config_module.unstructure(value) if attrs.has(type(value)) else value
+
+
+def _make_backend(backend: Backend | str, config: EngineConfig) -> Backend:
+    if isinstance(backend, Backend):
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a Backend or a name, got {type(backend).__name__}")
+    name = backend
+    if name == "auto":
+        import os
+
+        name = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "local"
+    cls = registry.backends.resolve(name)
+    return cls.from_engine_config(config) if hasattr(cls, "from_engine_config") else cls()
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, Mapping):
+        raise TypeError("loss_fn expects batches (inputs, targets); for mapping batches use step_fn")
+    try:
+        inputs, targets = batch
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"loss_fn expects batches of (inputs, targets), got {type(batch).__name__}; use step_fn for other batches"
+        ) from None
+    return inputs, targets
+
+
+def _loss_of(result: Any, where: str) -> torch.Tensor:
+    if isinstance(result, torch.Tensor):
+        return result
+    if isinstance(result, Mapping) and "loss" in result:
+        return result["loss"]
+    loss = getattr(result, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise TypeError(f"{where} must return the loss tensor, or a mapping/object with a 'loss'; got {type(result).__name__}")
