@@ -182,7 +182,13 @@ class Engine:
     # -- callbacks --------------------------------------------------------
 
     def add_callback(self, callback: Any) -> Handle:
-        """Register a callback instance; returns a handle whose `remove()` unregisters it."""
+        """Register a callback; returns a handle whose `remove()` unregisters it.
+
+        A config entry (`"name"` or `{"name": ..., **arguments}`, see
+        `cadence.engine.registry.build_callback`) is built first.
+        """
+        if isinstance(callback, (str, Mapping)):
+            callback = registry.build_callback(callback)
         return self._bus.add(callback)
 
     def on(
@@ -309,7 +315,7 @@ class Engine:
                     self.evaluate()
                 if requests.agreed[stop] or state.step >= stop_step:
                     break
-            else:  # the epoch's data ran out
+            if self._epoch_iter is None or self._data_ran_out():
                 self._end_epoch()
         fire(Event.ON_FIT_END)
 
@@ -333,9 +339,29 @@ class Engine:
                     group = list(itertools.islice(self._epoch_iter, accum))
                 if not group:
                     self._epoch_iter = None
+                    if self.state.batch_in_epoch == 0:
+                        raise ValueError("train data yielded no batch in a whole epoch; is it empty?")
                     return
                 self._pending = group
             yield self._pending
+
+    def _data_ran_out(self) -> bool:
+        """Whether the epoch is over although the loop stopped on its budget.
+
+        A budget that ends exactly on the epoch's last batch completes the
+        epoch (evaluation, on_epoch_end). Known only for sized data; the
+        iterator is then drained so a loader sees its epoch finish.
+        """
+        source = self.data["train"]
+        if self._pending is not None or not source.has_len() or self.state.batch_in_epoch < len(source):
+            return False
+        assert self._epoch_iter is not None
+        extra = list(itertools.islice(self._epoch_iter, self.config.grad_accum))
+        if extra:  # the data was longer than it said: keep what was fetched
+            self._pending = extra
+            return False
+        self._epoch_iter = None
+        return True
 
     def _open_epoch(self) -> Iterator[Any]:
         source = self._train_source()
@@ -369,11 +395,11 @@ class Engine:
         self._pending = None
 
     def _end_epoch(self) -> None:
-        every = self.config.eval_every_epochs
-        if every and (self.state.epoch + 1) % every == 0 and "eval" in self.data:
-            self.evaluate()
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
+        every = self.config.eval_every_epochs
+        if every and self.state.epoch % every == 0 and "eval" in self.data:
+            self.evaluate()
         self.fire(Event.ON_EPOCH_END)
         # Requests raised at epoch end (early stopping after evaluation) are
         # agreed here so the stop happens before another epoch starts.
@@ -600,10 +626,15 @@ def _split_batch(batch: Any) -> tuple[Any, Any]:
 
 def _loss_of(result: Any, where: str) -> torch.Tensor:
     if isinstance(result, torch.Tensor):
-        return result
-    if isinstance(result, Mapping) and "loss" in result:
-        return result["loss"]
-    loss = getattr(result, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    raise TypeError(f"{where} must return the loss tensor, or a mapping/object with a 'loss'; got {type(result).__name__}")
+        loss = result
+    elif isinstance(result, Mapping) and "loss" in result:
+        loss = result["loss"]
+    else:
+        loss = getattr(result, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.ndim:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(result).__name__
+        raise TypeError(
+            f"{where} must return the loss as a scalar tensor, or a mapping/object with a scalar 'loss'; got {got}"
+            " (pass loss_fn= for (inputs, targets) batches)"
+        )
+    return loss

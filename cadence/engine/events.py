@@ -42,9 +42,10 @@ class Event(_StrEnum):
               on_step_end                 scheduler, checkpoint, gc, heartbeat ...
               on_log                      every log_interval steps: metrics reduced
               evaluate()                  every eval_every_steps, if configured
+            state.epoch += 1              the epoch's data ran out
             evaluate()                    every eval_every_epochs, if configured
-            state.epoch += 1
             on_epoch_end
+            agree control requests        so a stop raised at epoch end holds everywhere
           on_fit_end
         always, when a run (fit/evaluate/predict) raised: on_exception
         always, at the end of a run: on_teardown

@@ -1,0 +1,175 @@
+"""Per-step overhead of Cadence against a hand-written PyTorch loop.
+
+    python benchmarks/overhead.py            # full run (a few minutes)
+    python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
+
+Each measurement runs in a fresh process with one thread; raw and Cadence runs
+alternate so drift in the machine hits both alike. Both loops use the same
+seed, model, optimizer and pre-batched in-memory tensors, and every pair is
+checked to end with identical parameters. Reports the median per-step time
+over the repeats and the ratio to the raw loop; the cost of no-op callbacks
+that override every step hook (us per callback per step); the cost of the
+default sinks (TrainMetrics, progress bar, JSONL, text log; log interval 50);
+and how long `import cadence` takes after `import torch`.
+
+Workloads:
+    W1: MLP 32-64-10, batch 32, 2000 steps, Adam  (overhead dominates)
+    W2: MLP 1024x4, batch 128, 200 steps, Adam    (compute dominates)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKLOADS = {
+    "W1": {"sizes": [32, 64, 10], "batch": 32, "steps": 2000, "warmup": 200},
+    "W2": {"sizes": [1024, 1024, 1024, 1024, 10], "batch": 128, "steps": 200, "warmup": 20},
+}
+STEP_HOOKS = (
+    "on_step_start", "on_batch", "on_forward", "on_backward",
+    "on_before_optimizer_step", "on_optimizer_step", "on_step_end",
+)
+
+
+def build(workload: str):
+    import torch
+
+    spec = WORKLOADS[workload]
+    torch.manual_seed(0)
+    sizes = spec["sizes"]
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    n = spec["steps"] + spec["warmup"]
+    data = [(torch.randn(spec["batch"], sizes[0], generator=g), torch.randint(0, sizes[-1], (spec["batch"],), generator=g)) for _ in range(n)]
+    return model, optimizer, data
+
+
+def param_hash(model) -> str:
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def worker(kind: str, workload: str, callbacks: int) -> dict:
+    import torch
+    from torch.nn import functional as F
+
+    torch.set_num_threads(1)
+    spec = WORKLOADS[workload]
+    model, optimizer, data = build(workload)
+    warm, steps = spec["warmup"], spec["steps"]
+    if kind == "raw":
+        def run(batches):
+            for x, y in batches:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        run(data[:warm])
+        start = time.perf_counter()
+        run(data[warm:])
+        elapsed = time.perf_counter() - start
+    else:
+        import cadence
+
+        noop = type("NoOp", (cadence.Callback,), {h: (lambda self, engine: None) for h in STEP_HOOKS})
+        cbs = []
+        for i in range(callbacks):
+            cb = noop()
+            cb.state_key = f"noop{i}"
+            cbs.append(cb)
+        if kind == "sinks":
+            from cadence.callbacks.metrics import default_callbacks
+
+            cbs += default_callbacks()
+        workspace = tempfile.mkdtemp(prefix="cadence-bench-")
+        engine = cadence.Engine(
+            model, optimizer, data, loss_fn=F.cross_entropy, callbacks=cbs, seed=0,
+            log_interval=50, workspace=workspace,
+        )
+        engine.fit(steps=warm)
+        start = time.perf_counter()
+        engine.fit(steps=steps)
+        elapsed = time.perf_counter() - start
+    return {"us_per_step": elapsed / steps * 1e6, "params": param_hash(model)}
+
+
+def run_worker(kind: str, workload: str, callbacks: int = 0) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CADENCE_BENCH_QUIET="1")
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", kind, "--workload", workload, "--callbacks", str(callbacks)],
+        check=True, capture_output=True, text=True, env=env, timeout=900,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def import_time(repeats: int) -> float:
+    code = (
+        "import time; import torch; t = time.perf_counter(); import cadence; "
+        "print(time.perf_counter() - t)"
+    )
+    times = [
+        float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120).stdout)
+        for _ in range(repeats)
+    ]
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7, help="alternated raw/Cadence pairs per measurement")
+    parser.add_argument("--quick", action="store_true", help="3 repeats, W1 only")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", default="W1", help=argparse.SUPPRESS)
+    parser.add_argument("--callbacks", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.workload, args.callbacks)))
+        return
+    repeats = 3 if args.quick else args.repeats
+    workloads = ["W1"] if args.quick else ["W1", "W2"]
+    rows = []
+    for workload in workloads:
+        variants = [("cadence", 0)]
+        if workload == "W1":
+            variants += [("cadence", 10), ("cadence", 100), ("sinks", 0)]
+        times: dict[tuple[str, int], list[float]] = {("raw", 0): [], **{v: [] for v in variants}}
+        for _ in range(repeats):
+            raw = run_worker("raw", workload)
+            times[("raw", 0)].append(raw["us_per_step"])
+            for kind, n in variants:
+                result = run_worker(kind, workload, n)
+                if result["params"] != raw["params"]:
+                    raise SystemExit(f"{workload} {kind}({n}): parameters differ from the raw loop's")
+                times[(kind, n)].append(result["us_per_step"])
+        raw_median = statistics.median(times[("raw", 0)])
+        base = statistics.median(times[("cadence", 0)])
+        rows.append((workload, "raw loop", raw_median, 1.0, ""))
+        for kind, n in variants:
+            median = statistics.median(times[(kind, n)])
+            label = "cadence, default sinks" if kind == "sinks" else f"cadence, {n} no-op callbacks"
+            extra = f"{(median - base) / n:.3f} us/callback/step" if n else ""
+            rows.append((workload, label, median, median / raw_median, extra))
+    print(f"{'workload':8}  {'variant':32}  {'us/step':>9}  {'ratio':>6}  notes")
+    for workload, label, median, ratio, extra in rows:
+        print(f"{workload:8}  {label:32}  {median:9.1f}  {ratio:6.3f}  {extra}")
+    print(f"import cadence after import torch: {import_time(5 if not args.quick else 3):.3f} s (median)")
+    print(f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal)")
+
+
+if __name__ == "__main__":
+    main()

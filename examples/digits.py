@@ -1,0 +1,92 @@
+"""Train a small network on scikit-learn's bundled digits (no download).
+
+    python examples/digits.py                 # 20 epochs, prints the final accuracy
+    python examples/digits.py engine.epochs=5 optim.lr=0.01
+
+Evaluates every epoch; the final validation accuracy is >= 0.95 in well under
+a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import cadence
+from cadence.engine.config import parse_cli
+
+
+@attrs.define(kw_only=True)
+class OptimConfig:
+    """Attributes:
+    lr: AdamW learning rate.
+    weight_decay: AdamW weight decay.
+    """
+
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+
+
+@attrs.define(kw_only=True)
+class DigitsConfig:
+    """Attributes:
+    hidden: width of the hidden layers.
+    engine: the loop's settings.
+    optim: the optimizer's settings.
+    """
+
+    hidden: int = 128
+    engine: cadence.EngineConfig = attrs.field(
+        factory=lambda: cadence.EngineConfig(epochs=20, seed=0, train=cadence.DataConfig(batch_size=64))
+    )
+    optim: OptimConfig = attrs.field(factory=OptimConfig)
+
+
+def digits_datasets(seed: int = 0) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
+    """The 1,797 8x8 digit images, scaled to [0, 1], split 80/20."""
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    x = torch.tensor(images, dtype=torch.float32) / 16.0
+    y = torch.tensor(labels, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(x))
+    train, val = order[:cut], order[cut:]
+    return torch.utils.data.TensorDataset(x[train], y[train]), torch.utils.data.TensorDataset(x[val], y[val])
+
+
+def accuracy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    inputs, targets = batch
+    logits = model(inputs)
+    return {"loss": F.cross_entropy(logits, targets), "accuracy": (logits.argmax(-1) == targets).float().mean()}
+
+
+def main(argv: list[str] | None = None) -> float:
+    cfg = parse_cli(DigitsConfig, argv, prog="examples/digits.py")
+    torch.manual_seed(cfg.engine.seed or 0)
+    model = nn.Sequential(nn.Linear(64, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    train, val = digits_datasets()
+    engine = cadence.Engine(
+        model, optimizer, train, loss_fn=F.cross_entropy, eval_fn=accuracy, eval_data=val, config=cfg.engine, run_config=cfg
+    )
+
+    @engine.on(cadence.Event.ON_EVAL_END)
+    def report(engine: cadence.Engine) -> None:
+        val = engine.eval_results["val"]
+        print(f"epoch {engine.state.epoch:3d}  step {engine.state.step:5d}  val.loss {val['val.loss']:.4f}  val.accuracy {val['val.accuracy']:.4f}")
+
+    start = time.perf_counter()
+    engine.fit()
+    final = engine.eval_results["val"]["val.accuracy"]
+    print(f"final accuracy {final:.4f} after {engine.state.step} steps in {time.perf_counter() - start:.1f} s")
+    return final
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

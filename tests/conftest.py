@@ -1,0 +1,35 @@
+"""Shared test setup: one thread per process (2 shared cores), tiny models and data."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+def tiny_model(seed: int = 0, inputs: int = 8, classes: int = 4) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(inputs, 16), torch.nn.ReLU(), torch.nn.Linear(16, classes))
+
+
+def tiny_batches(n: int = 12, batch: int = 8, inputs: int = 8, classes: int = 4, seed: int = 1) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, inputs, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
+
+
+def tiny_dataset(n: int = 96, inputs: int = 8, classes: int = 4, seed: int = 1) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(n, inputs, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_cwd(tmp_path, monkeypatch):
+    # Engines default to a ./runs workspace: keep every test's files in its tmp dir.
+    monkeypatch.chdir(tmp_path)

@@ -1,0 +1,228 @@
+"""The event bus: order, constraints, filters, handles, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cadence
+from cadence import Callback, Event, HookError, OrderError
+from tests.conftest import tiny_batches, tiny_model
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_engine(**kwargs):
+    model = tiny_model()
+    return cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(), loss_fn=torch.nn.functional.cross_entropy, seed=0, **kwargs
+    )
+
+
+class Recorder(Callback):
+    def __init__(self, log, name, order=50, after=(), before=()):
+        self.log, self.name = log, name
+        self.order, self.after, self.before = order, tuple(after), tuple(before)
+        self.state_key = name
+
+    def on_step_end(self, engine):
+        self.log.append(self.name)
+
+
+def test_order_then_registration_order():
+    log = []
+    engine = make_engine(callbacks=[Recorder(log, "b", 60), Recorder(log, "a", 40), Recorder(log, "c", 60), Recorder(log, "z", 40)])
+    assert [c.name for c in engine.callbacks] == ["a", "z", "b", "c"]
+    engine.fit(steps=1)
+    assert log == ["a", "z", "b", "c"]
+
+
+def test_after_and_before_constraints():
+    log = []
+    first = Recorder(log, "first", 10, after=("last",))
+    last = Recorder(log, "last", 90)
+    mid = Recorder(log, "mid", 50, before=("early",))
+    early = Recorder(log, "early", 20)
+    engine = make_engine(callbacks=[first, last, mid, early])
+    names = [c.name for c in engine.callbacks]
+    assert names.index("last") < names.index("first")
+    assert names.index("mid") < names.index("early")
+    engine.fit(steps=1)
+    assert log == names
+
+
+def test_constraint_cycle_is_an_error_naming_the_cycle():
+    log = []
+    engine = make_engine(callbacks=[Recorder(log, "a", after=("b",)), Recorder(log, "x")])
+    with pytest.raises(OrderError, match=r"cycle: (a -> b -> a|b -> a -> b)"):
+        engine.add_callback(Recorder(log, "b", after=("a",)))
+    # The failed registration left the bus as it was.
+    assert [c.name for c in engine.callbacks] == ["a", "x"]
+
+
+def test_longer_cycle_names_every_member():
+    log = []
+    engine = make_engine(callbacks=[Recorder(log, "a", after=("c",)), Recorder(log, "b", after=("a",))])
+    with pytest.raises(OrderError) as info:
+        engine.add_callback(Recorder(log, "c", after=("b",)))
+    assert all(name in str(info.value) for name in "abc")
+
+
+def test_only_overridden_hooks_are_in_the_table():
+    class OnlyStepEnd(Callback):
+        def on_step_end(self, engine):
+            pass
+
+    engine = make_engine(callbacks=[OnlyStepEnd()])
+    assert len(engine.hooks(Event.ON_STEP_END)) == 1
+    for event in Event:
+        if event is not Event.ON_STEP_END:
+            assert engine.hooks(event) == ()
+
+
+def test_duplicate_state_key_is_an_error_at_registration():
+    class Stateful(Callback):
+        def state_dict(self):
+            return {}
+
+    engine = make_engine(callbacks=[Stateful()])
+    with pytest.raises(ValueError, match="two callbacks with state_key 'test_duplicate_state_key_is_an_error_at_registration.<locals>.Stateful'"):
+        engine.add_callback(Stateful())
+    second = Stateful()
+    second.state_key = "other"
+    engine.add_callback(second)
+    assert len(engine.callbacks) == 2
+
+
+def test_registering_a_class_instead_of_an_instance():
+    with pytest.raises(TypeError, match="an instance"):
+        make_engine(callbacks=[Callback])
+
+
+def test_every_once_when_filters():
+    engine = make_engine()
+    seen = {"every": [], "once": [], "when": [], "epoch": []}
+    engine.on(Event.ON_STEP_END, every=3)(lambda e: seen["every"].append(e.state.step))
+    engine.on(Event.ON_STEP_END, once=5)(lambda e: seen["once"].append(e.state.step))
+    engine.on("on_step_end", when=lambda e: e.state.step in (2, 7))(lambda e: seen["when"].append(e.state.step))
+    engine.on(Event.ON_EPOCH_END, every=2)(lambda e: seen["epoch"].append(e.state.epoch))
+    engine.fit(steps=24)  # 12 batches per epoch: 2 epochs
+    assert seen["every"] == [3, 6, 9, 12, 15, 18, 21, 24]
+    assert seen["once"] == [5]
+    assert seen["when"] == [2, 7]
+    assert seen["epoch"] == [2]
+
+
+def test_step_start_counts_the_step_in_progress():
+    engine = make_engine()
+    seen = []
+    engine.on(Event.ON_STEP_START, every=2)(lambda e: seen.append(e.state.step))
+    engine.fit(steps=5)
+    assert seen == [1, 3]  # steps 2 and 4 (1-based) start when 1 and 3 are done
+
+
+def test_handle_remove_unregisters():
+    engine = make_engine()
+    calls = []
+    handle = engine.on(Event.ON_STEP_END)(lambda e: calls.append(e.state.step))
+    engine.fit(steps=2)
+    handle.remove()
+    engine.fit(steps=2)
+    assert calls == [1, 2]
+    assert engine.hooks(Event.ON_STEP_END) == ()
+    with pytest.raises(ValueError, match="not registered"):
+        handle.remove()
+
+
+def test_bad_filter_values():
+    engine = make_engine()
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        engine.on(Event.ON_STEP_END, every=0)(print)
+    with pytest.raises(ValueError, match="unknown event 'on_stp_end'"):
+        engine.on("on_stp_end")
+
+
+def test_hook_exception_names_callback_and_event_then_exception_and_teardown_run():
+    order = []
+
+    class Boom(Callback):
+        def on_backward(self, engine):
+            if engine.state.step == 2:
+                raise ValueError("bad gradient")
+
+    class Watcher(Callback):
+        def __init__(self, name):
+            self.state_key = name
+
+        def on_exception(self, engine):
+            order.append((self.state_key, "exception", type(engine.exception).__name__))
+
+        def on_teardown(self, engine):
+            order.append((self.state_key, "teardown"))
+
+    engine = make_engine(callbacks=[Watcher("w1"), Boom(), Watcher("w2")])
+    with pytest.raises(HookError) as info:
+        engine.fit(steps=5)
+    message = str(info.value)
+    assert "Boom" in message and "on_backward" in message and "step 2" in message and "bad gradient" in message
+    assert isinstance(info.value.__cause__, ValueError)
+    assert info.value.event is Event.ON_BACKWARD
+    assert order == [
+        ("w1", "exception", "HookError"),
+        ("w2", "exception", "HookError"),
+        ("w1", "teardown"),
+        ("w2", "teardown"),
+    ]
+    assert engine.state.step == 2
+    # Gradients of the failed step were dropped: the engine can fit again.
+    assert all(p.grad is None for p in engine.model.parameters())
+
+
+def test_teardown_error_surfaces_when_nothing_else_failed():
+    class BadTeardown(Callback):
+        def on_teardown(self, engine):
+            raise RuntimeError("cannot close")
+
+    engine = make_engine(callbacks=[BadTeardown()])
+    with pytest.raises(HookError, match="on_teardown"):
+        engine.fit(steps=1)
+
+
+def test_duck_typed_callbacks_work():
+    class Plain:
+        order = 5
+        state_key = "plain"
+
+        def __init__(self):
+            self.steps = 0
+
+        def on_step_end(self, engine):
+            self.steps += 1
+
+    plain = Plain()
+    engine = make_engine(callbacks=[plain])
+    engine.fit(steps=3)
+    assert plain.steps == 3
+
+
+def test_instrument_wraps_dispatch_and_unwraps():
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def trace(event):
+        entered.append(event.value)
+        yield
+
+    engine = make_engine()
+    calls = []
+    engine.on(Event.ON_STEP_END)(lambda e: calls.append(1))
+    engine._bus.instrument(trace)
+    engine.fit(steps=1)
+    assert "on_step_end" in entered and "on_step_start" in entered
+    count = len(entered)
+    engine._bus.instrument(None)
+    engine.fit(steps=1)
+    assert len(entered) == count
+    assert calls == [1, 1]

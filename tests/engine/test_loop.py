@@ -1,0 +1,256 @@
+"""The loop: exact event sequences, modes, accumulation, requests, evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import cadence
+from cadence import Callback, Event
+from tests.conftest import tiny_batches, tiny_dataset, tiny_model
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.events = []
+
+
+for _event in Event:
+    setattr(Recorder, _event.value, (lambda name: lambda self, engine: self.events.append(name))(_event.value))
+
+
+def engine_with(recorder=None, batches=4, **kwargs):
+    model = tiny_model()
+    kwargs.setdefault("loss_fn", F.cross_entropy)
+    return cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(batches),
+        callbacks=[recorder] if recorder else [], seed=0, **kwargs,
+    )
+
+
+def step_events(micro_batches):
+    return (
+        ["on_step_start"]
+        + ["on_batch", "on_forward", "on_backward"] * micro_batches
+        + ["on_before_optimizer_step", "on_optimizer_step", "on_step_end"]
+    )
+
+
+def test_exact_event_sequence_two_epochs_accumulation_and_evaluation():
+    recorder = Recorder()
+    engine = engine_with(recorder, batches=4, grad_accum=2, eval_data=tiny_batches(2, seed=5))
+    engine.fit(epochs=2)
+    evaluation = ["on_eval_start", "on_eval_batch", "on_eval_batch", "on_log", "on_eval_end"]
+    epoch = ["on_epoch_start", *step_events(2), *step_events(2), *evaluation, "on_epoch_end"]
+    assert recorder.events == ["on_setup", "on_fit_start", *epoch, *epoch, "on_fit_end", "on_teardown"]
+    assert engine.state.step == 4 and engine.state.epoch == 2 and engine.state.micro_step == 8
+
+
+def test_partial_accumulation_group_at_epoch_end_uses_what_is_left():
+    recorder = Recorder()
+    engine = engine_with(recorder, batches=5, grad_accum=2)
+    engine.fit(epochs=1)
+    assert engine.state.step == 3 and engine.state.micro_step == 5
+    assert recorder.events.count("on_batch") == 5
+
+
+def test_step_mode_crosses_epochs_and_completes_an_epoch_on_its_last_batch():
+    recorder = Recorder()
+    engine = engine_with(recorder, batches=4)
+    engine.fit(steps=6)
+    assert engine.state.step == 6 and engine.state.epoch == 1 and engine.state.batch_in_epoch == 2
+    engine.fit(steps=2)
+    assert engine.state.epoch == 2 and engine.state.batch_in_epoch == 0
+    assert recorder.events.count("on_epoch_end") == 2
+
+
+def test_config_targets_are_absolute():
+    engine = engine_with(steps=5)
+    engine.fit()
+    assert engine.state.step == 5
+    engine.fit()  # already there
+    assert engine.state.step == 5
+    with pytest.raises(ValueError, match="nothing to fit"):
+        engine_with().fit()
+
+
+def test_step_fn_and_model_returning_loss():
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_model()
+
+        def forward(self, batch):
+            x, y = batch
+            return {"loss": F.cross_entropy(self.net(x), y)}
+
+    model = WithLoss()
+    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(), seed=0)
+    engine.fit(steps=3)
+    assert engine.state.step == 3 and isinstance(engine.outputs, dict)
+
+    model = tiny_model()
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(),
+        step_fn=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]), seed=0,
+    )
+    engine.fit(steps=3)
+    assert engine.state.step == 3
+
+
+def test_bad_model_output_and_batches_are_named():
+    model = tiny_model()
+    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), [torch.randn(4, 8)], seed=0)
+    with pytest.raises(TypeError, match="the model must return the loss as a scalar tensor.*shape \(4, 4\)"):
+        engine.fit(steps=1)
+    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), [torch.randn(4, 8)], loss_fn=F.cross_entropy, seed=0)
+    with pytest.raises(TypeError, match=r"loss_fn expects batches of \(inputs, targets\)"):
+        engine.fit(steps=1)
+    with pytest.raises(TypeError, match="train data must be a torch Dataset, a DataLoader or an iterable"):
+        cadence.Engine(model, None, 42)
+    with pytest.raises(ValueError, match="no batch in a whole epoch"):
+        cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), [], loss_fn=F.cross_entropy).fit(steps=1)
+
+
+def test_skip_request_leaves_parameters_unchanged_and_is_counted():
+    engine = engine_with()
+    engine.on(Event.ON_BEFORE_OPTIMIZER_STEP, when=lambda e: e.state.step == 1)(lambda e: e.request_skip("test"))
+    before = {}
+    engine.on(Event.ON_STEP_START, once=2)(lambda e: before.update({k: v.clone() for k, v in e.model.state_dict().items()}))
+    taken = []
+    engine.on(Event.ON_OPTIMIZER_STEP)(lambda e: taken.append(e.state.step))
+    after = {}
+    engine.on(Event.ON_STEP_END, once=2)(lambda e: after.update({k: v.clone() for k, v in e.model.state_dict().items()}))
+    engine.fit(steps=4)
+    assert taken == [0, 2, 3]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert engine.state.skipped_steps == 1 and engine.state.consecutive_skips == 0
+    assert all(p.grad is None for p in engine.model.parameters())
+
+
+def test_stop_request_ends_fit_after_that_step():
+    engine = engine_with(batches=10)
+    engine.on(Event.ON_STEP_START, once=3)(lambda e: e.request_stop("enough"))
+    engine.fit(epochs=5)
+    assert engine.state.step == 3
+    # The stop was for that fit: the next one trains again.
+    engine.fit(steps=2)
+    assert engine.state.step == 5
+
+
+def test_stop_requested_at_epoch_end_is_agreed_before_the_next_epoch():
+    engine = engine_with(batches=3)
+    engine.on(Event.ON_EPOCH_END, once=1)(lambda e: e.request_stop())
+    engine.fit(epochs=4)
+    assert engine.state.epoch == 1 and engine.state.step == 3
+
+
+def test_custom_request_is_agreed_and_visible():
+    engine = engine_with()
+    engine.requests.register("flush")
+    engine.on(Event.ON_STEP_START, once=2)(lambda e: e.request("flush", 7))
+    agreed = []
+    engine.on(Event.ON_STEP_END)(lambda e: agreed.append(e.agreed("flush")))
+    engine.fit(steps=3)
+    assert agreed == [0, 7, 0]
+    with pytest.raises(KeyError, match="unknown control request 'nope'"):
+        engine.request("nope")
+
+
+def test_evaluate_is_exact_over_unequal_batches():
+    model = tiny_model()
+    batches = [(torch.randn(n, 8), torch.randint(0, 4, (n,))) for n in (5, 3, 8)]
+    engine = cadence.Engine(model, None, loss_fn=F.cross_entropy, seed=0)
+    results = engine.evaluate(batches)
+    with torch.no_grad():
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        expected = F.cross_entropy(model(x), y).item()
+    assert math.isclose(results["val.loss"], expected, rel_tol=1e-6)
+    assert engine.model.training
+
+
+def test_eval_fn_and_logging_inside_evaluation_are_split_prefixed():
+    model = tiny_model()
+
+    def eval_fn(m, batch):
+        logits = m(batch[0])
+        return {"accuracy": (logits.argmax(-1) == batch[1]).float().mean()}
+
+    engine = cadence.Engine(model, None, eval_fn=eval_fn, eval_data=tiny_batches(3), seed=0)
+    engine.on(Event.ON_EVAL_BATCH)(lambda e: e.log("batches", 1, reduce="sum"))
+    results = engine.evaluate(split="test")
+    assert set(results) == {"test.accuracy", "test.batches"}
+    assert results["test.batches"] == 3
+    assert engine.eval_results["test"] == results
+
+
+def test_metrics_are_reduced_at_log_intervals():
+    engine = engine_with(log_interval=2)
+    engine.on(Event.ON_STEP_END)(lambda e: e.log("loss", e.loss.detach()))
+    engine.on(Event.ON_STEP_END)(lambda e: e.log("peak", float(e.state.step), reduce="max"))
+    logged = []
+    engine.on(Event.ON_LOG)(lambda e: logged.append((e.state.step, dict(e.logged))))
+    engine.fit(steps=4)
+    assert [s for s, _ in logged] == [2, 4]
+    assert logged[1][1]["peak"] == 4.0
+    assert "loss" in logged[0][1]
+
+
+def test_predict_returns_outputs_per_batch():
+    engine = engine_with(predict_data=tiny_batches(3))
+    outputs = engine.predict()
+    assert len(outputs) == 3 and outputs[0].shape == (8, 4)
+
+
+def test_dataset_builds_a_seeded_stateful_loader():
+    def epoch_order(seed):
+        model = tiny_model()
+        engine = cadence.Engine(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(32),
+            loss_fn=F.cross_entropy, seed=seed, train=cadence.DataConfig(batch_size=8),
+        )
+        seen = []
+        engine.on(Event.ON_BATCH)(lambda e: seen.append(e.batch[1].clone()))
+        engine.fit(epochs=2)
+        return torch.cat(seen)
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    model = tiny_model()
+    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(32), loss_fn=F.cross_entropy)
+    assert isinstance(engine.data["train"].loader, StatefulDataLoader)
+    a, b, c = epoch_order(3), epoch_order(3), epoch_order(4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not torch.equal(a[:32], a[32:])  # reshuffled per epoch
+
+
+def test_config_errors_are_raised_before_anything_starts():
+    model = tiny_model()
+    with pytest.raises(cadence.ConfigError, match="grad_accum"):
+        cadence.Engine(model, None, grad_accum=0)
+    with pytest.raises(cadence.ConfigError, match="stepz"):
+        cadence.Engine(model, None, config={"stepz": 3})
+    with pytest.raises(cadence.ConfigError, match="precision"):
+        cadence.Engine(model, None, precision="fp8")
+
+
+def test_bf16_autocast_on_cpu_and_fp16_needs_cuda():
+    engine = engine_with(precision="bf16")
+    dtypes = []
+    engine.on(Event.ON_FORWARD)(lambda e: dtypes.append(e.outputs.dtype))
+    engine.fit(steps=1)
+    assert dtypes == [torch.bfloat16]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp16' needs a CUDA device"):
+            engine_with(precision="fp16")
+
+
+def test_unknown_backend_name_lists_known_ones():
+    with pytest.raises(KeyError, match="unknown backend 'tpu'.*local"):
+        engine_with(backend="tpu")
