@@ -1,0 +1,672 @@
+"""Configuration: attrs classes from dicts, files and command lines, and back.
+
+Every component owns an attrs class next to its code; this module turns user
+input into those classes. Scalars are strict (``"3"`` is not an int, ``1`` is not
+a bool) and every error names the dotted path, the expected type and the value
+received, so a bad config fails before any process group starts.
+
+Example:
+    >>> @attrs.define(kw_only=True)
+    ... class Train:
+    ...     steps: int = 100
+    ...     lr: float = 3e-4
+    >>> build(Train, overrides=["steps=5", "lr=1e-3"])
+    Train(steps=5, lr=0.001)
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import inspect
+import json
+import os
+import re
+import sys
+import types
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin
+
+import attrs
+import cattrs
+import yaml
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+from cattrs.gen import make_dict_structure_fn
+
+__all__ = [
+    "ConfigError", "build", "canonical_yaml", "config_diff", "config_hash", "converter",
+    "field_help", "load_file", "merge", "parse_cli", "parse_overrides", "structure", "unstructure",
+]  # fmt: skip
+
+T = TypeVar("T")
+_NONE = type(None)
+_MISSING: Any = object()
+_SEQUENCES: dict[Any, type] = {list: list, MutableSequence: list, Sequence: tuple, tuple: tuple}
+_MAPPINGS: tuple[Any, ...] = (dict, Mapping, MutableMapping)
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message says where, what and how to fix it.
+
+    Attributes:
+        path: Dotted path of the offending value (``""`` when not about one value).
+        expected: What was expected there, or None.
+        received: The value received, or None.
+    """
+
+    def __init__(self, message: str, *, path: str = "", expected: str | None = None, received: Any = None) -> None:
+        super().__init__(message)
+        self.path, self.expected, self.received = path, expected, received
+
+    def __reduce__(self) -> Any:
+        # Keyword-only fields would be lost when the error crosses a process boundary.
+        return _rebuild_error, (str(self), self.path, self.expected, self.received)
+
+
+def _rebuild_error(message: str, path: str, expected: str | None, received: Any) -> ConfigError:
+    return ConfigError(message, path=path, expected=expected, received=received)
+
+
+class _MismatchError(TypeError):
+    """Raised by the strict hooks; carries what was expected and what was received."""
+
+    def __init__(self, expected: str, value: Any) -> None:
+        super().__init__(f"expected {expected}, got {value!r} ({type(value).__name__})")
+        self.expected, self.value = expected, value
+
+
+def _origin(t: Any) -> Any:
+    return get_origin(t) or t
+
+
+def _is_enum(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, Enum)
+
+
+def _is_union(t: Any) -> bool:
+    return get_origin(t) in (Union, types.UnionType)
+
+
+def _type_name(t: Any) -> str:
+    """Readable annotation: ``list[str]``, ``int | None``, ``'fp32' | 'bf16'``."""
+    origin, args = get_origin(t), get_args(t)
+    if t is Any or t is None or t is _NONE:
+        return "Any" if t is Any else "None"
+    if origin is Literal or _is_enum(t):
+        return " | ".join(repr(getattr(a, "value", a)) for a in (args or t))
+    if _is_union(t):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', origin)}[{inner}]" if args else origin.__name__
+    return t.__name__ if isinstance(t, type) else str(t)
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that also reads ``1e5`` and ``3e-4`` as floats, like JSON, TOML and YAML 1.2."""
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML dumper that quotes the *string* ``"1e5"`` so `_Loader` reads it back as str."""
+
+
+for _yaml_cls in (_Loader, _Dumper):
+    _yaml_cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+
+
+# --- structure hooks: strict scalars, and containers that keep per-item paths -------------
+
+
+def _structure_choice(value: Any, t: Any) -> Any:
+    """Literal[...] and Enum (by value); ``True`` never matches ``1``."""
+    choices = list(get_args(t) or t)
+    for choice in choices:
+        plain = getattr(choice, "value", choice)
+        if value is choice or (type(value) is type(plain) and value == plain):
+            return choice
+    raise _MismatchError("one of " + ", ".join(repr(getattr(c, "value", c)) for c in choices), value)
+
+
+def _strict(expected: str, accepts: Callable[[Any], bool]) -> Callable[[Any, type], Any]:
+    def hook(value: Any, cl: type) -> Any:
+        if _is_enum(cl):  # IntEnum/StrEnum land here: cattrs dispatches on the MRO first
+            return _structure_choice(value, cl)
+        if not accepts(value):
+            raise _MismatchError(expected, value)
+        return cl(value)
+
+    return hook
+
+
+def _structure_items(t: Any, items: Any) -> list[Any]:
+    """Structure ``(index, type, value)`` triples, collecting errors the way cattrs does."""
+    out, errors = [], []
+    for index, item_type, value in items:
+        try:
+            out.append(converter.structure(value, item_type))
+        except Exception as exc:
+            note = IterableValidationNote(f"Structuring {t} @ index {index!r}", index, item_type)
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+            errors.append(exc)
+    if errors:
+        raise IterableValidationError(f"While structuring {t!r}", errors, t)
+    return out
+
+
+def _sequence_hook(t: Any) -> Callable[[Any, Any], Any]:
+    origin, args = _origin(t), get_args(t)
+    fixed = origin is tuple and bool(args) and args[-1] is not Ellipsis
+
+    def hook(value: Any, _: Any) -> Any:
+        # cattrs alone would iterate a string's characters or a mapping's keys.
+        if not isinstance(value, (list, tuple)):
+            raise _MismatchError(f"a list ({_type_name(t)})", value)
+        if fixed and len(value) != len(args):
+            raise _MismatchError(f"{len(args)} items ({_type_name(t)})", value)
+        item_types = args if fixed else [args[0] if args else Any] * len(value)
+        return _SEQUENCES[origin](_structure_items(t, [(i, item_types[i], v) for i, v in enumerate(value)]))
+
+    return hook
+
+
+def _mapping_hook(t: Any) -> Callable[[Any, Any], Any]:
+    key_type, value_type = get_args(t) or (Any, Any)
+
+    def hook(value: Any, _: Any) -> dict[Any, Any]:
+        if not isinstance(value, Mapping):
+            raise _MismatchError(f"a mapping ({_type_name(t)})", value)
+        keys = _structure_items(t, ((k, key_type, k) for k in value))
+        values = _structure_items(t, ((k, value_type, v) for k, v in value.items()))
+        return dict(zip(keys, values, strict=True))
+
+    return hook
+
+
+def _union_hook(t: Any) -> Callable[[Any, Any], Any]:
+    members = [a for a in get_args(t) if a is not _NONE]
+    nullable = len(members) < len(get_args(t))
+
+    def hook(value: Any, _: Any) -> Any:
+        if value is None and nullable:
+            return None
+        if len(members) == 1:  # Optional[X]: nested errors keep their own path
+            try:
+                return converter.structure(value, members[0])
+            except _MismatchError:
+                raise _MismatchError(_type_name(t), value) from None
+        # An exact type match wins, so `float | int` keeps an int an int.
+        for member in [m for m in members if m is type(value)] + members:
+            try:
+                return converter.structure(value, member)
+            except Exception:  # the next member may fit
+                continue
+        raise _MismatchError(_type_name(t), value)
+
+    return hook
+
+
+def _attrs_hook(cl: type) -> Callable[[Any, Any], Any]:
+    attrs.resolve_types(cl)  # classes written with `from __future__ import annotations`
+    inner: Callable[[Any, Any], Any] = make_dict_structure_fn(
+        cl, converter, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True
+    )
+
+    def hook(value: Any, t: Any) -> Any:
+        if isinstance(value, cl):  # already built, hence already validated
+            return value
+        if not isinstance(value, Mapping):
+            raise _MismatchError(f"a mapping ({cl.__name__})", value)
+        return inner(value, t)
+
+    return hook
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    number = (int, float)
+    conv.register_structure_hook(int, _strict("int", lambda v: isinstance(v, int) and not isinstance(v, bool)))
+    conv.register_structure_hook(float, _strict("float", lambda v: isinstance(v, number) and not isinstance(v, bool)))
+    conv.register_structure_hook(bool, _strict("bool", lambda v: isinstance(v, bool)))
+    conv.register_structure_hook(str, _strict("str", lambda v: isinstance(v, str)))
+    conv.register_structure_hook(Path, _strict("a path (str)", lambda v: isinstance(v, (str, os.PathLike))))
+    conv.register_structure_hook_func(lambda t: _is_enum(t) or get_origin(t) is Literal, _structure_choice)
+    conv.register_structure_hook_factory(lambda t: _origin(t) in _SEQUENCES, _sequence_hook)
+    conv.register_structure_hook_factory(lambda t: _origin(t) in _MAPPINGS, _mapping_hook)
+    conv.register_structure_hook_factory(_is_union, _union_hook)
+    conv.register_structure_hook_factory(lambda t: isinstance(t, type) and attrs.has(t), _attrs_hook)
+    conv.register_unstructure_hook(Path, str)
+    conv.register_unstructure_hook_factory(
+        lambda t: _origin(t) in (tuple, Sequence),
+        lambda _: lambda value: [conv.unstructure(v) for v in value],
+    )
+    return conv
+
+
+converter: cattrs.Converter = _make_converter()
+"""The strict converter behind `structure` and `unstructure`; register extra hooks here."""
+
+
+# --- cattrs exception trees -> one ConfigError ----------------------------------------------
+
+
+def _join(prefix: str, parts: Sequence[Any]) -> str:
+    out = prefix
+    for part in parts:
+        if isinstance(part, str) and re.fullmatch(r"[\w-]+", part):
+            out += f".{part}" if out else part
+        else:
+            out += f"[{part!r}]"
+    return out or "<root>"
+
+
+def _lookup(data: Any, parts: Sequence[Any]) -> Any:
+    for part in parts:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
+
+
+def _init_fields(cl: type) -> dict[str, Any]:
+    attrs.resolve_types(cl)
+    return {a.name: a for a in attrs.fields(cl) if a.init}
+
+
+def _field_default(a: Any) -> Any:
+    default = a.default
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        return _MISSING if default.takes_self else default.factory()
+    return _MISSING if default is attrs.NOTHING else default
+
+
+def _unknown_key(cl: type, key: str, path: str, received: Any) -> ConfigError:
+    valid = sorted(_init_fields(cl))
+    close = difflib.get_close_matches(str(key), valid, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    message = f"unknown key; valid keys are: {', '.join(valid)}{hint}"
+    return ConfigError(message, path=path, expected="one of: " + ", ".join(valid), received=received)
+
+
+def _failed_validator(cl: type, raw: Any, path: tuple[Any, ...], exc: Exception, prefix: str) -> ConfigError:
+    """Find the field whose attrs validator failed by running each validator again."""
+    for name, a in _init_fields(cl).items() if isinstance(raw, Mapping) else ():
+        try:
+            value = converter.structure(raw[name], a.type) if name in raw else _field_default(a)
+        except Exception:  # a structuring problem is reported on its own
+            continue
+        try:
+            if a.validator is not None and value is not _MISSING:
+                a.validator(None, a, value)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as found:
+            reason = found.args[0] if found.args else str(found)
+            message = f"invalid value {value!r} ({type(value).__name__}): {reason}"
+            return ConfigError(message, path=_join(prefix, (*path, name)), expected=str(reason), received=value)
+        except Exception:  # a validator that needs a real instance
+            continue
+    # No single field to blame: a cross-field check such as __attrs_post_init__.
+    return ConfigError(f"invalid {cl.__name__}: {exc}", path=_join(prefix, path), received=raw)
+
+
+def _problems(exc: Exception, data: Any, prefix: str, path: tuple[Any, ...] = (), t: Any = None) -> list[ConfigError]:
+    if isinstance(exc, (ClassValidationError, IterableValidationError)):
+        found: list[ConfigError] = []
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            step = note.name if isinstance(note, AttributeValidationNote) else note.index
+            found += _problems(sub, data, prefix, (*path, step), note.type)
+        for sub in without:
+            if isinstance(sub, ForbiddenExtraKeysError):
+                for key in sorted(sub.extra_fields):
+                    at = (*path, key)
+                    found.append(_unknown_key(sub.cl, key, _join(prefix, at), _lookup(data, at)))
+            elif isinstance(exc, ClassValidationError):
+                found.append(_failed_validator(exc.cl, _lookup(data, path), path, sub, prefix))
+            else:
+                found += _problems(sub, data, prefix, path, exc.cl)
+        return found
+    where, expected = _join(prefix, path), (None if t is None else _type_name(t))
+    if isinstance(exc, _MismatchError):
+        return [ConfigError(str(exc), path=where, expected=exc.expected, received=exc.value)]
+    if isinstance(exc, KeyError):
+        return [ConfigError(f"required key missing (expected {expected})", path=where, expected=expected)]
+    received = _lookup(data, path)
+    message = f"{exc}; got {received!r} ({type(received).__name__})"
+    return [ConfigError(message, path=where, expected=expected, received=received)]
+
+
+def _config_error(problems: list[ConfigError]) -> ConfigError:
+    first, rest = problems[0], problems[1:]
+    message = f"config error at '{first.path}': {first}"
+    if rest:
+        message += f" (and {len(rest)} more: " + "; ".join(f"'{p.path}': {p}" for p in rest) + ")"
+    return ConfigError(message, path=first.path, expected=first.expected, received=first.received)
+
+
+# --- public API -----------------------------------------------------------------------------
+
+
+def structure(cls: type[T], data: Any, *, path: str = "") -> T:
+    """Build ``cls`` from plain data, strictly.
+
+    Args:
+        cls: An attrs class (or any type the converter handles).
+        data: Plain data, usually a dict.
+        path: Dotted prefix for error messages, e.g. ``"callbacks[2]"``.
+
+    Raises:
+        ConfigError: Naming the first problem; the message lists every problem.
+    """
+    try:
+        return converter.structure(data, cls)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise _config_error(_problems(exc, data, path)) from exc
+
+
+def unstructure(obj: Any) -> dict[str, Any]:
+    """Turn a config into plain JSON/YAML-safe data (Paths as str, enums as values)."""
+    data = _plain(converter.unstructure(obj))
+    if not isinstance(data, dict):
+        raise TypeError(f"expected an attrs instance or a mapping, got {type(obj).__name__}")
+    return data
+
+
+def _plain(value: Any) -> Any:
+    """Normalize what hides behind ``Any`` fields, which cattrs passes through as is."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Enum):
+        return _plain(value.value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return _plain(converter.unstructure(value)) if attrs.has(type(value)) else value
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a ``.yaml``/``.yml``, ``.toml`` or ``.json`` config file into a dict.
+
+    Raises:
+        ConfigError: The file is missing, unreadable, malformed or not a mapping.
+    """
+    file, suffix = Path(path), Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml", ".json"):
+        raise ConfigError(f"config file '{file}': unknown extension '{suffix}'; use .yaml, .toml or .json")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file '{file}' cannot be read: {exc.strerror or exc}") from exc
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        if suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.load(text, Loader=_Loader) or {}  # _Loader is a SafeLoader
+    except (yaml.YAMLError, ValueError) as exc:  # JSON and TOML decode errors are ValueErrors
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"config file '{file}' is not valid {suffix[1:].upper()}: {reason}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{file}': top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _strip_optional(t: Any) -> tuple[Any, bool]:
+    members = [a for a in get_args(t) if a is not _NONE] if _is_union(t) else [t]
+    return (members[0], members[0] is not t) if len(members) == 1 else (t, False)
+
+
+def _field_type(cls: type, dotted: str) -> Any:
+    t: Any = cls
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        t, here = _strip_optional(t)[0], ".".join(parts[:i])
+        if t is Any:
+            return Any
+        if isinstance(t, type) and attrs.has(t):
+            fields = _init_fields(t)
+            if part not in fields:
+                raise _config_error([_unknown_key(t, part, ".".join(parts[: i + 1]), None)])
+            t = fields[part].type
+        elif _origin(t) in _MAPPINGS:
+            t = (get_args(t) or (Any, Any))[1]
+        else:
+            raise ConfigError(
+                f"config error at '{dotted}': '{here}' is {_type_name(t)}, which has no keys;"
+                f" set it whole, e.g. {here}=[...]",
+                path=dotted,
+            )
+    return t
+
+
+def _keeps_raw_text(t: Any) -> bool:
+    """String-like fields take the override text as is: ``name=123`` means ``"123"``."""
+    if get_origin(t) is Literal or _is_enum(t):
+        return all(isinstance(getattr(a, "value", a), str) for a in (get_args(t) or t))
+    return t in (str, Path)
+
+
+def parse_overrides(cls: type, overrides: Sequence[str]) -> dict[str, Any]:
+    """Parse ``a.b.c=value`` strings into a nested dict, typed by walking ``cls``.
+
+    String-like fields keep the raw text; other values are read as YAML, so
+    ``[1, 2]``, ``true``, ``null``/``None``, ``{a: 1}`` and ``3e-4`` all work.
+
+    Raises:
+        ConfigError: An item has no ``=`` or names an unknown path.
+    """
+    result: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"config error in '{item}': expected key=value, e.g. optim.lr=3e-4")
+        inner, optional = _strip_optional(_field_type(cls, key))
+        raw, value = _keeps_raw_text(inner), cast(Any, text)
+        if (optional and text in ("null", "None", "~")) or (not raw and text == "None"):
+            value = None
+        elif not raw:
+            try:
+                value = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+            except yaml.YAMLError:
+                pass  # keep the text: structure() reports it against the field type
+        for part in reversed(key.split(".")):
+            value = {part: value}
+        result = merge(result, value)
+    return result
+
+
+def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge two dicts: ``update`` wins, nested mappings merge, inputs stay untouched."""
+    out = copy.deepcopy(dict(base))
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    # A parent's default may differ from the child class's own (factory=lambda: Optim(lr=0.1));
+    # partial nested input must merge over the parent's default.
+    fields = _init_fields(cls).items()
+    defaults = ((name, a, _field_default(a)) for name, a in fields)
+    return {n: _plain(converter.unstructure(v, a.type)) for n, a, v in defaults if v is not _MISSING}
+
+
+def build(
+    cls: type[T],
+    *,
+    file: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+    data: Mapping[str, Any] | None = None,
+) -> T:
+    """Build a validated config: class defaults, then ``data``, then ``file``, then ``overrides``.
+
+    Example:
+        >>> cfg = build(MyConfig, file="run.yaml", overrides=["optim.lr=1e-3"])  # doctest: +SKIP
+    """
+    merged = merge(_defaults(cls), data or {})
+    if file is not None:
+        merged = merge(merged, load_file(file))
+    return structure(cls, merge(merged, parse_overrides(cls, overrides)))
+
+
+def _doc_help(cls: type) -> dict[str, str]:
+    """Entries of Google-style ``Attributes:`` sections along the MRO (subclass wins)."""
+    entries: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        section = indent_of_entries = current = None
+        for line in inspect.cleandoc(klass.__dict__.get("__doc__") or "").splitlines():
+            indent = len(line) - len(line.lstrip())
+            if section is None:
+                section = indent if line.strip() == "Attributes:" else None
+            elif line.strip() and indent <= section:
+                break
+            elif line.strip():
+                indent_of_entries = indent_of_entries or indent
+                match = re.match(r"(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", line.strip())
+                if indent == indent_of_entries and match:
+                    current, entries[match[1]] = match[1], match[2].strip()
+                elif current is not None:
+                    entries[current] = f"{entries[current]} {line.strip()}".strip()
+    return entries
+
+
+def field_help(cls: type) -> list[tuple[str, str, str, str]]:
+    """``(dotted path, type, default, help)`` for every leaf field, nested classes expanded.
+
+    Help comes from ``attrs.field(metadata={"help": ...})`` or the class docstring's
+    ``Attributes:`` section.
+    """
+    return _help_rows(cls, "", None)
+
+
+def _help_rows(cls: type, prefix: str, instance: Any) -> list[tuple[str, str, str, str]]:
+    rows, docs = [], _doc_help(cls)
+    for name, a in _init_fields(cls).items():
+        path = prefix + name
+        # Nested defaults come from the parent's default instance when there is one.
+        default = getattr(instance, name) if instance is not None else _field_default(a)
+        if isinstance(a.type, type) and attrs.has(a.type):
+            rows += _help_rows(a.type, path + ".", default if isinstance(default, a.type) else None)
+            continue
+        if default is not _MISSING:
+            shown = repr(_plain(converter.unstructure(default, a.type)))
+        else:
+            shown = "(computed)" if isinstance(a.default, attrs.Factory) else "required"  # type: ignore[arg-type]
+        rows.append((path, _type_name(a.type), shown, a.metadata.get("help") or docs.get(name, "")))
+    return rows
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    file, overrides, items = None, [], iter(argv)
+    for arg in items:
+        if arg == "--config" or arg.startswith("--config="):
+            if file is not None:
+                raise ConfigError("config error on the command line: --config given twice")
+            file = arg.partition("=")[2] if "=" in arg else next(items, None)
+            if not file:
+                raise ConfigError("config error on the command line: --config needs a FILE")
+        elif arg.startswith("-"):
+            raise ConfigError(f"config error on the command line: unknown option '{arg}'; see --help")
+        else:
+            overrides.append(arg)
+    return file, overrides
+
+
+def parse_cli(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None) -> T:
+    """Build ``cls`` from ``[--config FILE] [key=value ...]``; ``--help`` lists every field.
+
+    Exits with status 0 after ``--help``, and with status 2 and one line on stderr
+    when the config is wrong.
+
+    Example:
+        >>> cfg = parse_cli(MyConfig)  # python train.py optim.lr=1e-3  # doctest: +SKIP
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or os.path.basename(sys.argv[0]) or cls.__name__
+    if "-h" in args or "--help" in args:
+        rows = [("KEY", "TYPE", "DEFAULT", "HELP"), *field_help(cls)]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        print(f"usage: {prog} [--config FILE] [key=value ...]\n")
+        print("Loads FILE (.yaml, .yml, .toml, .json), then applies dotted key=value overrides.\n")
+        for row in rows:
+            print(("  " + "  ".join(row[i].ljust(widths[i]) for i in range(3)) + "  " + row[3]).rstrip())
+        raise SystemExit(0)
+    try:
+        file, overrides = _split_argv(args)
+        return build(cls, file=file, overrides=overrides)
+    except ConfigError as exc:
+        print(f"{prog}: {' '.join(str(exc).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def canonical_yaml(obj: Any) -> str:
+    """Dump the config as deterministic YAML (sorted keys, plain types): the input to hashing.
+
+    An attrs instance is first re-validated through its class, so ``lr=1`` and
+    ``lr=1.0`` on a float field give the same text.
+
+    Raises:
+        ConfigError: ``obj`` holds a value its class does not accept.
+    """
+    if attrs.has(type(obj)):
+        obj = structure(type(obj), unstructure(obj))
+    # ASCII only: PyYAML writes some code points (e.g. U+0085) raw and then reads them back as line breaks.
+    return yaml.dump(unstructure(obj), Dumper=_Dumper, sort_keys=True, default_flow_style=False, allow_unicode=False)
+
+
+def config_hash(obj: Any, length: int = 10) -> str:
+    """First ``length`` hex characters of the sha256 of `canonical_yaml`."""
+    return hashlib.sha256(canonical_yaml(obj).encode("utf-8")).hexdigest()[:length]
+
+
+def config_diff(obj: Any, default: Any = None) -> dict[str, Any]:
+    """Nested dict of the leaves of ``obj`` that differ from ``default`` (``type(obj)()``).
+
+    Lists are leaves; a dict that lost keys is reported whole.
+
+    Raises:
+        TypeError: ``default`` is None and ``type(obj)`` has required fields.
+    """
+    if default is None:
+        try:
+            default = type(obj)()
+        except TypeError as exc:
+            raise TypeError(f"{type(obj).__name__} has required fields; pass default=") from exc
+    return _diff(unstructure(obj), unstructure(default))
+
+
+def _diff(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in new.items():
+        before = old.get(key, _MISSING)
+        if isinstance(value, dict) and isinstance(before, dict) and before.keys() <= value.keys():
+            if nested := _diff(value, before):
+                out[key] = nested
+        # type() and repr() so that 1 vs 1.0 and True vs 1 differ and nan equals nan.
+        elif type(value) is not type(before) or (value != before and repr(value) != repr(before)):
+            out[key] = value
+    return out
