@@ -1,0 +1,57 @@
+"""The README's example and the main job run as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(60)
+def test_readme_python_blocks_run(capsys):
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "README has no python example"
+    namespace: dict = {"__name__": "__readme__"}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    engine = namespace["engine"]
+    assert engine.state.step > 0
+    assert "epoch 5" in capsys.readouterr().out
+
+
+def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_command():
+    text = (ROOT / "README.md").read_text()
+    commands = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
+    assert "python examples/digits.py" in commands[0]
+    test_command = commands[1]
+    assert test_command.endswith("OMP_NUM_THREADS=1 python -m pytest")
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in ci_lines, ".ci/run must run the README's test command verbatim"
+
+
+@pytest.mark.timeout(120)
+def test_main_job_reaches_its_accuracy(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "digits.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110, check=True,
+    ).stdout
+    final = float(re.search(r"final accuracy ([0-9.]+)", out).group(1))
+    assert final >= 0.95, out
+
+
+@pytest.mark.timeout(120)
+def test_compose_example_runs(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "compose.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110, check=True,
+    ).stdout
+    assert "after 100 steps" in out and "BestAccuracy" in out
