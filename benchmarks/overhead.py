@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import statistics
@@ -34,8 +35,13 @@ WORKLOADS = {
     "W2": {"sizes": [1024, 1024, 1024, 1024, 10], "batch": 128, "steps": 200, "warmup": 20},
 }
 STEP_HOOKS = (
-    "on_step_start", "on_batch", "on_forward", "on_backward",
-    "on_before_optimizer_step", "on_optimizer_step", "on_step_end",
+    "on_step_start",
+    "on_batch",
+    "on_forward",
+    "on_backward",
+    "on_before_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
 )
 
 
@@ -46,13 +52,16 @@ def build(workload: str):
     torch.manual_seed(0)
     sizes = spec["sizes"]
     layers: list[torch.nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
+    for a, b in itertools.pairwise(sizes):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers[:-1])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     n = spec["steps"] + spec["warmup"]
-    data = [(torch.randn(spec["batch"], sizes[0], generator=g), torch.randint(0, sizes[-1], (spec["batch"],), generator=g)) for _ in range(n)]
+    data = [
+        (torch.randn(spec["batch"], sizes[0], generator=g), torch.randint(0, sizes[-1], (spec["batch"],), generator=g))
+        for _ in range(n)
+    ]
     return model, optimizer, data
 
 
@@ -72,6 +81,7 @@ def worker(kind: str, workload: str, callbacks: int) -> dict:
     model, optimizer, data = build(workload)
     warm, steps = spec["warmup"], spec["steps"]
     if kind == "raw":
+
         def run(batches):
             for x, y in batches:
                 loss = F.cross_entropy(model(x), y)
@@ -98,8 +108,14 @@ def worker(kind: str, workload: str, callbacks: int) -> dict:
             cbs += default_callbacks()
         workspace = tempfile.mkdtemp(prefix="cadence-bench-")
         engine = cadence.Engine(
-            model, optimizer, data, loss_fn=F.cross_entropy, callbacks=cbs, seed=0,
-            log_interval=50, workspace=workspace,
+            model,
+            optimizer,
+            data,
+            loss_fn=F.cross_entropy,
+            callbacks=cbs,
+            seed=0,
+            log_interval=50,
+            workspace=workspace,
         )
         engine.fit(steps=warm)
         start = time.perf_counter()
@@ -112,18 +128,21 @@ def run_worker(kind: str, workload: str, callbacks: int = 0) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", CADENCE_BENCH_QUIET="1")
     out = subprocess.run(
         [sys.executable, __file__, "--worker", kind, "--workload", workload, "--callbacks", str(callbacks)],
-        check=True, capture_output=True, text=True, env=env, timeout=900,
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def import_time(repeats: int) -> float:
-    code = (
-        "import time; import torch; t = time.perf_counter(); import cadence; "
-        "print(time.perf_counter() - t)"
-    )
+    code = "import time; import torch; t = time.perf_counter(); import cadence; print(time.perf_counter() - t)"
     times = [
-        float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120).stdout)
+        float(
+            subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120).stdout
+        )
         for _ in range(repeats)
     ]
     return statistics.median(times)

@@ -9,10 +9,10 @@ engine keeps its place between calls, so two `fit(steps=50)` train 100 steps.
 from __future__ import annotations
 
 import torch
+from digits import accuracy, digits_datasets
 from torch.nn import functional as F
 
 import cadence
-from digits import accuracy, digits_datasets
 
 
 class BestAccuracy(cadence.Callback):
@@ -39,24 +39,30 @@ def main() -> None:
     train, val = digits_datasets()
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     engine = cadence.Engine(
-        model, torch.optim.AdamW(model.parameters(), lr=3e-3), train,
-        loss_fn=F.cross_entropy, eval_fn=accuracy, eval_data=val, seed=0, eval_every_epochs=None,
+        model,
+        torch.optim.AdamW(model.parameters(), lr=3e-3),
+        train,
+        loss_fn=F.cross_entropy,
+        eval_fn=accuracy,
+        eval_data=val,
+        seed=0,
+        eval_every_epochs=None,
     )
 
-    engine.fit(steps=50)                       # a first look
+    engine.fit(steps=50)  # a first look
     print("after 50 steps:", engine.evaluate())
 
     best = BestAccuracy()
-    engine.add_callback(best)                  # add behaviour between fits
+    engine.add_callback(best)  # add behaviour between fits
 
     @engine.on(cadence.Event.ON_STEP_END, every=25)
     def progress(engine: cadence.Engine) -> None:
         print(f"  step {engine.state.step}: loss {engine.loss.item():.4f}")
 
-    engine.fit(steps=50)                       # continues at step 50
+    engine.fit(steps=50)  # continues at step 50
     print("after 100 steps:", engine.evaluate(), "best:", best.best)
 
-    progress.remove()                          # the handle unregisters it
+    progress.remove()  # the handle unregisters it
     engine.fit(epochs=3)
     print(f"after {engine.state.step} steps / {engine.state.epoch} epochs:", engine.evaluate())
     print("callbacks in order:", engine.callbacks)

@@ -68,17 +68,28 @@ def accuracy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict
 def main(argv: list[str] | None = None) -> float:
     cfg = parse_cli(DigitsConfig, argv, prog="examples/digits.py")
     torch.manual_seed(cfg.engine.seed or 0)
-    model = nn.Sequential(nn.Linear(64, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, 10))
+    model = nn.Sequential(
+        nn.Linear(64, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, 10)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     train, val = digits_datasets()
     engine = cadence.Engine(
-        model, optimizer, train, loss_fn=F.cross_entropy, eval_fn=accuracy, eval_data=val, config=cfg.engine, run_config=cfg
+        model,
+        optimizer,
+        train,
+        loss_fn=F.cross_entropy,
+        eval_fn=accuracy,
+        eval_data=val,
+        config=cfg.engine,
+        run_config=cfg,
     )
 
     @engine.on(cadence.Event.ON_EVAL_END)
     def report(engine: cadence.Engine) -> None:
         val = engine.eval_results["val"]
-        print(f"epoch {engine.state.epoch:3d}  step {engine.state.step:5d}  val.loss {val['val.loss']:.4f}  val.accuracy {val['val.accuracy']:.4f}")
+        print(
+            f"epoch {engine.state.epoch:3d}  step {engine.state.step:5d}  val.loss {val['val.loss']:.4f}  val.accuracy {val['val.accuracy']:.4f}"
+        )
 
     start = time.perf_counter()
     engine.fit()

@@ -21,12 +21,16 @@ def tiny_model(seed: int = 0, inputs: int = 8, classes: int = 4) -> torch.nn.Mod
 
 def tiny_batches(n: int = 12, batch: int = 8, inputs: int = 8, classes: int = 4, seed: int = 1) -> list:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, inputs, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(batch, inputs, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)
+    ]
 
 
 def tiny_dataset(n: int = 96, inputs: int = 8, classes: int = 4, seed: int = 1) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.TensorDataset(torch.randn(n, inputs, generator=g), torch.randint(0, classes, (n,), generator=g))
+    return torch.utils.data.TensorDataset(
+        torch.randn(n, inputs, generator=g), torch.randint(0, classes, (n,), generator=g)
+    )
 
 
 @pytest.fixture(autouse=True)

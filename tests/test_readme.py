@@ -41,7 +41,12 @@ def test_main_job_reaches_its_accuracy(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "digits.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110, check=True,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=True,
     ).stdout
     final = float(re.search(r"final accuracy ([0-9.]+)", out).group(1))
     assert final >= 0.95, out
@@ -52,6 +57,11 @@ def test_compose_example_runs(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "compose.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110, check=True,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=True,
     ).stdout
     assert "after 100 steps" in out and "BestAccuracy" in out

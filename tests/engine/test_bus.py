@@ -15,7 +15,12 @@ pytestmark = pytest.mark.timeout(60)
 def make_engine(**kwargs):
     model = tiny_model()
     return cadence.Engine(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(), loss_fn=torch.nn.functional.cross_entropy, seed=0, **kwargs
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_batches(),
+        loss_fn=torch.nn.functional.cross_entropy,
+        seed=0,
+        **kwargs,
     )
 
 
@@ -31,7 +36,9 @@ class Recorder(Callback):
 
 def test_order_then_registration_order():
     log = []
-    engine = make_engine(callbacks=[Recorder(log, "b", 60), Recorder(log, "a", 40), Recorder(log, "c", 60), Recorder(log, "z", 40)])
+    engine = make_engine(
+        callbacks=[Recorder(log, "b", 60), Recorder(log, "a", 40), Recorder(log, "c", 60), Recorder(log, "z", 40)]
+    )
     assert [c.name for c in engine.callbacks] == ["a", "z", "b", "c"]
     engine.fit(steps=1)
     assert log == ["a", "z", "b", "c"]
@@ -86,7 +93,10 @@ def test_duplicate_state_key_is_an_error_at_registration():
             return {}
 
     engine = make_engine(callbacks=[Stateful()])
-    with pytest.raises(ValueError, match="two callbacks with state_key 'test_duplicate_state_key_is_an_error_at_registration.<locals>.Stateful'"):
+    with pytest.raises(
+        ValueError,
+        match=r"two callbacks with state_key 'test_duplicate_state_key_is_an_error_at_registration.<locals>.Stateful'",
+    ):
         engine.add_callback(Stateful())
     second = Stateful()
     second.state_key = "other"

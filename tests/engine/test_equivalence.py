@@ -49,14 +49,21 @@ def test_shuffled_dataset_with_accumulation_equivalence():
         for i in range(0, len(batches), accum):
             group = batches[i : i + accum]
             for x, y in group:
-                (F.cross_entropy(model(x), y) / len(group) if len(group) > 1 else F.cross_entropy(model(x), y)).backward()
+                (
+                    F.cross_entropy(model(x), y) / len(group) if len(group) > 1 else F.cross_entropy(model(x), y)
+                ).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
     ours = tiny_model(seed=3)
     engine = cadence.Engine(
-        ours, torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9), dataset, loss_fn=F.cross_entropy,
-        seed=seed, grad_accum=accum, train=cadence.DataConfig(batch_size=6),
+        ours,
+        torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9),
+        dataset,
+        loss_fn=F.cross_entropy,
+        seed=seed,
+        grad_accum=accum,
+        train=cadence.DataConfig(batch_size=6),
     )
     engine.fit(epochs=epochs)
     assert engine.state.step == 2 * 4  # 7 batches of 6 per epoch -> 4 steps (last one partial)

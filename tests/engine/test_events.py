@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_every_event_value_is_a_hook_name():
     for event in Event:
         assert event.value.startswith("on_")
-        assert event.value == "on_" + event.name.lower()[len("ON_"):]
+        assert event.value == "on_" + event.name.lower()[len("ON_") :]
         assert callable(getattr(Callback, event.value))
 
 

@@ -28,8 +28,12 @@ def engine_with(recorder=None, batches=4, **kwargs):
     model = tiny_model()
     kwargs.setdefault("loss_fn", F.cross_entropy)
     return cadence.Engine(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(batches),
-        callbacks=[recorder] if recorder else [], seed=0, **kwargs,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_batches(batches),
+        callbacks=[recorder] if recorder else [],
+        seed=0,
+        **kwargs,
     )
 
 
@@ -96,8 +100,11 @@ def test_step_fn_and_model_returning_loss():
 
     model = tiny_model()
     engine = cadence.Engine(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(),
-        step_fn=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]), seed=0,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_batches(),
+        step_fn=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]),
+        seed=0,
     )
     engine.fit(steps=3)
     assert engine.state.step == 3
@@ -106,9 +113,11 @@ def test_step_fn_and_model_returning_loss():
 def test_bad_model_output_and_batches_are_named():
     model = tiny_model()
     engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), [torch.randn(4, 8)], seed=0)
-    with pytest.raises(TypeError, match="the model must return the loss as a scalar tensor.*shape \(4, 4\)"):
+    with pytest.raises(TypeError, match=r"the model must return the loss as a scalar tensor.*shape \(4, 4\)"):
         engine.fit(steps=1)
-    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), [torch.randn(4, 8)], loss_fn=F.cross_entropy, seed=0)
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), [torch.randn(4, 8)], loss_fn=F.cross_entropy, seed=0
+    )
     with pytest.raises(TypeError, match=r"loss_fn expects batches of \(inputs, targets\)"):
         engine.fit(steps=1)
     with pytest.raises(TypeError, match="train data must be a torch Dataset, a DataLoader or an iterable"):
@@ -121,11 +130,15 @@ def test_skip_request_leaves_parameters_unchanged_and_is_counted():
     engine = engine_with()
     engine.on(Event.ON_BEFORE_OPTIMIZER_STEP, when=lambda e: e.state.step == 1)(lambda e: e.request_skip("test"))
     before = {}
-    engine.on(Event.ON_STEP_START, once=2)(lambda e: before.update({k: v.clone() for k, v in e.model.state_dict().items()}))
+    engine.on(Event.ON_STEP_START, once=2)(
+        lambda e: before.update({k: v.clone() for k, v in e.model.state_dict().items()})
+    )
     taken = []
     engine.on(Event.ON_OPTIMIZER_STEP)(lambda e: taken.append(e.state.step))
     after = {}
-    engine.on(Event.ON_STEP_END, once=2)(lambda e: after.update({k: v.clone() for k, v in e.model.state_dict().items()}))
+    engine.on(Event.ON_STEP_END, once=2)(
+        lambda e: after.update({k: v.clone() for k, v in e.model.state_dict().items()})
+    )
     engine.fit(steps=4)
     assert taken == [0, 2, 3]
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -212,8 +225,12 @@ def test_dataset_builds_a_seeded_stateful_loader():
     def epoch_order(seed):
         model = tiny_model()
         engine = cadence.Engine(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(32),
-            loss_fn=F.cross_entropy, seed=seed, train=cadence.DataConfig(batch_size=8),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            tiny_dataset(32),
+            loss_fn=F.cross_entropy,
+            seed=seed,
+            train=cadence.DataConfig(batch_size=8),
         )
         seen = []
         engine.on(Event.ON_BATCH)(lambda e: seen.append(e.batch[1].clone()))
@@ -223,7 +240,9 @@ def test_dataset_builds_a_seeded_stateful_loader():
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     model = tiny_model()
-    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(32), loss_fn=F.cross_entropy)
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(32), loss_fn=F.cross_entropy
+    )
     assert isinstance(engine.data["train"].loader, StatefulDataLoader)
     a, b, c = epoch_order(3), epoch_order(3), epoch_order(4)
     assert torch.equal(a, b) and not torch.equal(a, c)
@@ -252,5 +271,5 @@ def test_bf16_autocast_on_cpu_and_fp16_needs_cuda():
 
 
 def test_unknown_backend_name_lists_known_ones():
-    with pytest.raises(KeyError, match="unknown backend 'tpu'.*local"):
+    with pytest.raises(KeyError, match=r"unknown backend 'tpu'.*local"):
         engine_with(backend="tpu")
