@@ -13,16 +13,28 @@ Example:
 
 from __future__ import annotations
 
-from cadence.engine.backend import Backend
-from cadence.engine.bus import Handle, HookError, OrderError
-from cadence.engine.callback import Callback
-from cadence.engine.config import ConfigError
-from cadence.engine.control import Requests
-from cadence.engine.data import DataConfig
-from cadence.engine.engine import Engine, EngineConfig
-from cadence.engine.events import Event
-from cadence.engine.order import Order
-from cadence.engine.state import State, seed_everything
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cadence.engine.backend import Backend
+    from cadence.engine.bus import Handle, HookError, OrderError
+    from cadence.engine.callback import Callback
+    from cadence.engine.config import ConfigError
+    from cadence.engine.control import Requests
+    from cadence.engine.data import DataConfig
+    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.events import Event
+    from cadence.engine.order import Order
+    from cadence.engine.state import State, seed_everything
+
+# Imported on first use, so `import cadence.cli` (the `cadence` command) does not import torch.
+_ENGINE = {
+    "Backend": "cadence.engine.backend", "Handle": "cadence.engine.bus", "HookError": "cadence.engine.bus",
+    "OrderError": "cadence.engine.bus", "Callback": "cadence.engine.callback", "ConfigError": "cadence.engine.config",
+    "Requests": "cadence.engine.control", "DataConfig": "cadence.engine.data", "Engine": "cadence.engine.engine",
+    "EngineConfig": "cadence.engine.engine", "Event": "cadence.engine.events", "Order": "cadence.engine.order",
+    "State": "cadence.engine.state", "seed_everything": "cadence.engine.state",
+}  # fmt: skip
 
 __version__ = "0.1.0"
 
@@ -43,3 +55,20 @@ __all__ = [
     "__version__",
     "seed_everything",
 ]
+
+_LAZY = {
+    "launch": "cadence.launch", "SlurmConfig": "cadence.launch_slurm", "WorkerError": "cadence.launch",
+    "plot": "cadence.plot",  # matplotlib loads on first use
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> object:
+    # `launch` pulls in multiprocessing machinery: import it on first use only.
+    import importlib
+
+    if name in _ENGINE:
+        value = globals()[name] = getattr(importlib.import_module(_ENGINE[name]), name)
+        return value
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'cadence' has no attribute {name!r}")

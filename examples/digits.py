@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> float:
         run_config=cfg,
     )
 
-    @engine.on(cadence.Event.ON_EVAL_END)
+    # Evaluation metrics are already reduced across ranks: print them once.
+    @engine.on(cadence.Event.ON_EVAL_END, when=lambda engine: engine.backend.is_main)
     def report(engine: cadence.Engine) -> None:
         val = engine.eval_results["val"]
         print(
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> float:
     start = time.perf_counter()
     engine.fit()
     final = engine.eval_results["val"]["val.accuracy"]
-    print(f"final accuracy {final:.4f} after {engine.state.step} steps in {time.perf_counter() - start:.1f} s")
+    if engine.backend.is_main:
+        print(f"final accuracy {final:.4f} after {engine.state.step} steps in {time.perf_counter() - start:.1f} s")
     return final
 
 

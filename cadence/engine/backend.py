@@ -147,6 +147,10 @@ class Backend:
         """Send a picklable object from `src` to every rank; returns it."""
         return obj
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order (checkpoints gather per-rank data state)."""
+        return [obj]
+
     # -- state ------------------------------------------------------------
 
     def model_state_dict(self, engine: Engine) -> dict[str, Any]:
@@ -160,7 +164,9 @@ class Backend:
 
     def load_optimizer_state_dicts(self, engine: Engine, states: Sequence[dict[str, Any]]) -> None:
         if len(states) != len(engine.optimizers):
-            raise ValueError(f"checkpoint has {len(states)} optimizer states, the engine has {len(engine.optimizers)} optimizers")
+            raise ValueError(
+                f"checkpoint has {len(states)} optimizer states, the engine has {len(engine.optimizers)} optimizers"
+            )
         for optimizer, state in zip(engine.optimizers, states):
             optimizer.load_state_dict(state)
 

@@ -116,18 +116,23 @@ class DataSource:
 
     def epoch_iter(self, epoch: int, *, fresh: bool) -> Iterator[Any]:
         """An iterator over one epoch; `fresh` reseeds for the start of `epoch`."""
+        if self.sampler is not None:
+            # Also when resuming mid-epoch: the distributed sampler's saved
+            # state holds only its position, and its permutation comes from
+            # the epoch (a fresh engine would otherwise replay epoch 0's order).
+            self.sampler.set_epoch(epoch)
         if fresh:
             if self.generator is not None:
                 self.generator.manual_seed(self.seed + epoch)
-            if self.sampler is not None:
-                self.sampler.set_epoch(epoch)
             set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
             if not self.built and callable(set_epoch):
                 set_epoch(epoch)
         return iter(self.loader)
 
     def stateful(self) -> bool:
-        return callable(getattr(self.loader, "state_dict", None)) and callable(getattr(self.loader, "load_state_dict", None))
+        return callable(getattr(self.loader, "state_dict", None)) and callable(
+            getattr(self.loader, "load_state_dict", None)
+        )
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.loader.state_dict() if self.stateful() else None  # type: ignore[union-attr]

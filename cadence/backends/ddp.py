@@ -1,0 +1,261 @@
+"""Distributed data parallel: one model replica per process, gradients all-reduced.
+
+Every rank holds the whole model and optimizer; `DistributedDataParallel`
+averages gradients during backward (only on the last micro-batch of a step:
+the others run under `no_sync`). Data is sharded by the engine with
+torchdata's `StatefulDistributedSampler` from `data_rank`/`data_size`.
+The data and optimizer domains are both the whole world.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from cadence.backends.local import LocalBackend, Precision, default_device
+from cadence.engine.backend import Domain, ReduceOp
+
+if TYPE_CHECKING:
+    from cadence.engine.control import Requests
+    from cadence.engine.engine import Engine, EngineConfig
+
+#: Default collective timeout. A rank that dies or hangs makes the others raise
+#: within this time instead of waiting forever (a dead peer's closed
+#: connection usually fails them at once). Raise it when one rank legitimately
+#: works alone for longer (a first `torch.compile`, a huge checkpoint save).
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+_NULL = contextlib.nullcontext()
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+class DDPBackend(LocalBackend):
+    """`DistributedDataParallel` over a torch.distributed process group.
+
+    Joins the process group from the environment `torchrun` or
+    `cadence.launch` set (unless one is already initialized), and destroys it
+    at `engine.close()` only if it created it.
+
+    Args:
+        backend: process-group backend; None: "nccl" with CUDA, else "gloo".
+        timeout: collective timeout (`timedelta` or seconds); default 300 s.
+        find_unused_parameters: passed to DDP (for models that skip parameters).
+        broadcast_buffers: sync buffers (BatchNorm stats) from rank 0 every forward.
+        gradient_as_bucket_view: gradients alias DDP's buckets (saves a copy).
+        device: None: `cuda:LOCAL_RANK` with NCCL, CPU with gloo.
+        precision: "fp32", "bf16" or "fp16" (CUDA), as in `LocalBackend`.
+        checkpoint: "file": the main process writes one file checkpoint.
+
+    Example:
+        >>> import torch, cadence
+        >>> def train():
+        ...     model = torch.nn.Linear(4, 1)
+        ...     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        ...     with cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...                         loss_fn=torch.nn.functional.mse_loss, backend="ddp", seed=0,
+        ...                         train=cadence.DataConfig(batch_size=16)) as engine:
+        ...         engine.fit(epochs=1)   # each rank sees 32 of the 64 samples: 2 steps
+        ...         return engine.state.step
+        >>> cadence.launch(train, nprocs=2)
+        2
+    """
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        backend: str | None = None,
+        timeout: timedelta | float = DEFAULT_TIMEOUT,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = True,
+        device: str | None = None,
+        precision: str = "fp32",
+        checkpoint: str = "file",
+    ) -> None:
+        if checkpoint != "file":
+            raise ValueError(
+                f"DDPBackend(checkpoint={checkpoint!r}): only 'file' is supported; "
+                "use the mesh backend for sharded (DCP) checkpoints"
+            )
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"DDPBackend(precision={precision!r}): expected 'fp32', 'bf16' or 'fp16'")
+        self.process_group_backend = backend
+        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self.ddp_options: dict[str, Any] = {
+            "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            **_buffer_sync_option(broadcast_buffers),
+        }
+        self.requested_device = device
+        self.precision_name = precision
+        self.checkpoint_format = checkpoint
+        self.created_group = False
+        self.group: Any = None
+        self.precision = Precision.create("fp32", torch.device("cpu"))  # replaced in setup
+        self._wrapped: Any = None
+        # The agreement buffer: one int64 slot per request kind, reused every step.
+        self._agree_host: torch.Tensor | None = None
+        self._agree_device: torch.Tensor | None = None
+        self._agree_view: Any = None
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> DDPBackend:
+        return cls(device=config.device, precision=config.precision)
+
+    # -- lifecycle --------------------------------------------------------
+
+    def setup(self, engine: Engine) -> None:
+        if not dist.is_available():
+            raise RuntimeError("DDPBackend: this torch build has no torch.distributed support")
+        if not dist.is_initialized():
+            self._init_process_group()
+        self.group = dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.data_rank, self.data_size = self.rank, self.world_size
+        if self.requested_device:
+            self.device = default_device(self.requested_device, self.local_rank)
+        elif dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        else:
+            self.device = torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.precision = Precision.create(self.precision_name, self.device)
+        engine.model.to(self.device)
+        from torch.nn.parallel import DistributedDataParallel
+
+        # DDP broadcasts rank 0's parameters and buffers here: every replica starts equal.
+        self._wrapped = DistributedDataParallel(
+            engine.model, device_ids=[self.device] if self.device.type == "cuda" else None, **self.ddp_options
+        )
+        engine.wrapped_model = self._wrapped
+
+    def _init_process_group(self) -> None:
+        missing = [name for name in _REQUIRED_ENV if name not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"DDPBackend: no process group is initialized and the environment lacks {missing}. "
+                "Start the script with `torchrun --nproc_per_node N script.py`, call `cadence.launch(fn, nprocs=N)`, "
+                "or call torch.distributed.init_process_group yourself first."
+            )
+        backend = self.process_group_backend
+        if backend is None:
+            wants_cpu = self.requested_device is not None and torch.device(self.requested_device).type == "cpu"
+            backend = "nccl" if torch.cuda.is_available() and not wants_cpu else "gloo"
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=self.timeout, **kwargs)
+        self.created_group = True
+
+    def teardown(self) -> None:
+        if self.created_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.created_group = False
+
+    # -- the step ---------------------------------------------------------
+
+    def no_sync(self, skip_sync: bool) -> contextlib.AbstractContextManager[Any]:
+        return self._wrapped.no_sync() if skip_sync else _NULL
+
+    # -- collectives --------------------------------------------------------
+
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", domain: Domain = "data") -> torch.Tensor:
+        """All-reduce a copy of `tensor` over `domain` (both are the world for DDP)."""
+        if op not in _OPS:
+            raise ValueError(f"reduce(op={op!r}): expected one of {sorted(_OPS)}")
+        result = tensor.detach().clone()
+        if op == "mean" and not result.is_floating_point():
+            result = result.double()
+        dist.all_reduce(result, op=_OPS[op], group=self.group)
+        if op == "mean":
+            result /= self.world_size
+        return result
+
+    def all_gather(self, tensor: torch.Tensor, domain: Domain = "data") -> torch.Tensor:
+        """Stack `tensor` from every rank along a new first dimension (one collective)."""
+        tensor = tensor.detach().contiguous()
+        out = torch.empty((self.world_size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, tensor.reshape(-1), group=self.group)
+        return out.view(self.world_size, *tensor.shape)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src, group=self.group)
+        return holder[0]
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait for every rank; on gloo, a rank missing after `timeout` s is named in the error."""
+        if dist.get_backend(self.group) == "gloo":
+            wait = self.timeout if timeout is None else timedelta(seconds=timeout)
+            dist.monitored_barrier(group=self.group, timeout=wait, wait_all_ranks=True)
+        elif self.device.type == "cuda":
+            dist.barrier(group=self.group, device_ids=[self.device.index])
+        else:
+            dist.barrier(group=self.group)
+
+    def agree(self, requests: Requests) -> None:
+        """One MAX all-reduce of every request slot over the optimizer domain.
+
+        The result is read on the host (a device sync on CUDA): the loop
+        branches on it (skip the optimizer step, stop, save) and every rank
+        must take the same branch, so the decision cannot stay on the device.
+        It is the only collective the engine adds to a step.
+        """
+        if self._agree_host is None or self._agree_host.numel() != len(requests.pending):
+            self._allocate_agreement(len(requests.pending))
+        view = self._agree_view
+        view[:] = requests.pending
+        if self._agree_device is None:
+            dist.all_reduce(self._agree_host, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
+        else:
+            self._agree_device.copy_(self._agree_host, non_blocking=True)  # type: ignore[arg-type]
+            dist.all_reduce(self._agree_device, op=dist.ReduceOp.MAX, group=self.group)
+            self._agree_host.copy_(self._agree_device)  # type: ignore[union-attr]
+        requests.accept(view.tolist())
+
+    def _allocate_agreement(self, slots: int) -> None:
+        # Grows when a callback registers a request kind; every rank registers
+        # the same kinds, so every rank's buffer has the same size.
+        on_host = self.device.type == "cpu" or dist.get_backend(self.group) == "gloo"
+        pin = not on_host and self.device.type == "cuda"
+        self._agree_host = torch.zeros(slots, dtype=torch.int64, pin_memory=pin)
+        self._agree_device = None if on_host else torch.zeros(slots, dtype=torch.int64, device=self.device)
+        # A numpy view writes the pending list into the tensor without a new allocation.
+        self._agree_view = self._agree_host.numpy()
+
+    # -- state ------------------------------------------------------------
+    # Model and optimizer state come from the unwrapped `engine.model`
+    # (inherited): keys carry no "module." prefix, so a checkpoint made on W
+    # ranks loads on W' ranks, or on one process with the local backend.
+
+    def describe(self) -> str:
+        pg = dist.get_backend(self.group) if self.group is not None and dist.is_initialized() else "uninitialized"
+        return f"ddp(rank={self.rank}/{self.world_size}, {pg}, device={self.device})"
+
+
+def _buffer_sync_option(sync: bool) -> dict[str, bool]:
+    # torch >= 2.13 renamed DDP's `broadcast_buffers` (per-forward sync) to
+    # `forward_sync_buffers`; buffers are synced at construction either way.
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": sync}
+    return {"broadcast_buffers": sync}

@@ -1,0 +1,175 @@
+"""DDPBackend on real gloo process groups (2 forked workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch._dynamo  # DDP imports it (~1.5 s): once here, not in every forked worker
+import torch.distributed as dist
+
+import cadence
+from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend
+from cadence.launch import launch
+from tests.conftest import tiny_dataset, tiny_model
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def run(fn, *args, nprocs=2):
+    return launch(fn, *args, nprocs=nprocs, start_method="fork", timeout=60)
+
+
+def engine_on(backend=None, **kwargs):
+    model = tiny_model()
+    return cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_dataset(32),
+        loss_fn=torch.nn.functional.cross_entropy,
+        backend=backend or DDPBackend(timeout=20),
+        seed=0,
+        **kwargs,
+    )
+
+
+def test_setup_places_wraps_and_shards():
+    def check():
+        with engine_on(backend="auto", train={"batch_size": 4}) as engine:
+            backend = engine.backend
+            assert isinstance(backend, DDPBackend) and backend.created_group
+            assert isinstance(engine.wrapped_model, torch.nn.parallel.DistributedDataParallel)
+            assert engine.wrapped_model.module is engine.model
+            assert not any(k.startswith("module.") for k in backend.model_state_dict(engine))
+            sampler = engine.data["train"].sampler
+            info = (
+                backend.rank,
+                backend.world_size,
+                backend.local_rank,
+                backend.data_rank,
+                backend.data_size,
+                str(backend.device),
+                sampler.rank,
+                sampler.num_replicas,
+                len(engine.data["train"]),
+            )
+            gathered = backend.all_gather_object(info)
+        assert not dist.is_initialized()  # close() destroyed the group it created
+        return gathered
+
+    assert run(check) == [(0, 2, 0, 0, 2, "cpu", 0, 2, 4), (1, 2, 1, 1, 2, "cpu", 1, 2, 4)]
+
+
+def test_collectives():
+    def check():
+        with engine_on() as engine:
+            backend, rank = engine.backend, engine.backend.rank
+            value = torch.tensor([1.0 + rank, 10.0 * rank])
+            out = {op: backend.reduce(value, op).tolist() for op in ("sum", "mean", "max", "min")}
+            out["int_mean"] = backend.reduce(torch.tensor([rank + 2]), "mean").tolist()
+            assert value.tolist() == [1.0 + rank, 10.0 * rank]  # the input is left alone
+            gathered = backend.all_gather(torch.full((2, 3), float(rank)), domain="optimizer")
+            out["gather"] = (tuple(gathered.shape), gathered[:, 0, 0].tolist())
+            out["objects"] = backend.all_gather_object({"rank": rank})
+            out["broadcast"] = backend.broadcast_object(f"from {rank}", src=1)
+            backend.barrier(timeout=10)
+            return out
+
+    out = run(check)
+    assert out["sum"] == [3.0, 10.0] and out["mean"] == [1.5, 5.0]
+    assert out["max"] == [2.0, 10.0] and out["min"] == [1.0, 0.0] and out["int_mean"] == [2.5]
+    assert out["gather"] == ((2, 2, 3), [0.0, 1.0])
+    assert out["objects"] == [{"rank": 0}, {"rank": 1}] and out["broadcast"] == "from 1"
+
+
+def test_agree_takes_the_max_of_every_rank_in_one_reused_buffer():
+    def check():
+        with engine_on() as engine:
+            backend, requests, rank = engine.backend, engine.requests, engine.backend.rank
+            seen = []
+            if rank == 1:
+                engine.request_skip("rank one only")
+            backend.agree(requests)
+            seen.append((engine.agreed("skip"), engine.agreed("stop"), requests.any_pending))
+            buffer = backend._agree_host.data_ptr()
+            backend.agree(requests)  # nothing pending any more: agreed values reset
+            seen.append((engine.agreed("skip"), backend._agree_host.data_ptr() == buffer))
+            requests.register("preempt")  # a callback's own request kind: the buffer grows
+            engine.request("preempt", value=2 - rank)  # lowest requesting rank wins under MAX
+            if rank == 0:
+                engine.request_save()
+            backend.agree(requests)
+            seen.append((engine.agreed("preempt"), engine.agreed("save"), backend._agree_host.numel()))
+            return backend.all_gather_object(seen)
+
+    per_rank = run(check)
+    assert per_rank[0] == per_rank[1] == [(1, 0, False), (0, True), (2, 1, 4)]
+
+
+def test_barrier_names_the_rank_that_never_arrives():
+    def check():
+        with engine_on() as engine:
+            if engine.backend.rank == 1:
+                time.sleep(4)  # never joins the barrier
+                return None
+            start = time.monotonic()
+            try:
+                engine.backend.barrier(timeout=1)
+            except RuntimeError as error:
+                return str(error), time.monotonic() - start
+            return "no error", 0.0
+
+    message, elapsed = run(check)
+    assert "Ranks 1 failed to pass monitoredBarrier in 1000 ms" in message
+    assert elapsed < 4
+
+
+def test_user_initialized_group_is_left_alone():
+    def check():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+        with engine_on() as engine:
+            created = engine.backend.created_group
+        alive = dist.is_initialized()
+        dist.destroy_process_group()
+        return created, alive
+
+    assert run(check) == (False, True)
+
+
+def test_bf16_autocast_on_cpu():
+    def check():
+        with engine_on(backend=DDPBackend(precision="bf16", timeout=20)) as engine:
+            dtypes = []
+            engine.on(cadence.Event.ON_FORWARD)(lambda e: dtypes.append(e.outputs.dtype))
+            engine.fit(steps=2)
+            return dtypes, engine.model[0].weight.dtype
+
+    assert run(check) == ([torch.bfloat16, torch.bfloat16], torch.float32)
+
+
+def test_no_process_group_and_no_environment_is_a_clear_error(monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=r"torchrun --nproc_per_node N.*cadence.launch"):
+        engine_on()
+
+
+def test_configuration_errors_and_defaults():
+    with pytest.raises(ValueError, match="only 'file'"):
+        DDPBackend(checkpoint="dcp")
+    with pytest.raises(ValueError, match="precision"):
+        DDPBackend(precision="fp8")
+    assert DDPBackend().timeout == DEFAULT_TIMEOUT == timedelta(seconds=300)
+    assert DDPBackend(timeout=2.5).timeout == timedelta(seconds=2.5)
+    config = cadence.EngineConfig(precision="bf16", device="cpu")
+    backend = DDPBackend.from_engine_config(config)
+    assert (backend.precision_name, backend.requested_device) == ("bf16", "cpu")
+
+
+def test_auto_backend_is_local_on_one_process():
+    assert "WORLD_SIZE" not in os.environ or os.environ["WORLD_SIZE"] == "1"
+    engine = engine_on(backend="auto")
+    assert engine.backend.name == "local"

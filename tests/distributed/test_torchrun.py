@@ -1,0 +1,83 @@
+"""An unchanged training script runs under `torchrun --nproc_per_node 2`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cadence.launch import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import cadence
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
+    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                            loss_fn=torch.nn.functional.cross_entropy, seed=0, epochs=2, train={"batch_size": 8})
+    engine.fit()
+    result = {
+        "backend": engine.backend.describe(),
+        "step": engine.state.step,
+        "weights": [round(float(v), 7) for v in engine.model[0].weight.flatten()[:8]],
+        "checksum": float(sum(p.double().sum() for p in model.parameters())),
+    }
+    engine.close()
+    with open(os.path.join(sys.argv[1], f"rank{os.environ.get('RANK', 'single')}.json"), "w") as fh:
+        json.dump(result, fh)
+    """
+)
+
+
+def test_unchanged_script_under_torchrun(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--max-restarts",
+        "0",
+        str(script),
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["backend"] == "ddp(rank=0/2, gloo, device=cpu)"
+    assert ranks[1]["backend"] == "ddp(rank=1/2, gloo, device=cpu)"
+    assert ranks[0]["step"] == ranks[1]["step"] == 8  # 64 samples / (2 ranks x 8) x 2 epochs
+    assert ranks[0]["weights"] == ranks[1]["weights"] and ranks[0]["checksum"] == ranks[1]["checksum"]
+
+    # The same script, with no launcher, trains on one process with the local backend.
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = json.loads((tmp_path / "ranksingle.json").read_text())
+    assert single["backend"].startswith("local(") and single["step"] == 16
