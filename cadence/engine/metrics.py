@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -65,69 +66,90 @@ class MetricStore:
 
     def compute(self, backend: Backend, *, reset: bool = True) -> dict[str, float]:
         """Reduce every pending metric across the data domain (one collective)."""
+        # A handful of tensor ops per call whatever the number of values: one
+        # device-to-host copy of every logged tensor (the sync point), local
+        # reductions in Python float64, one all_gather of the packed pairs.
         names = self.names()
-        local = self._pack(names, backend.device)
-        gathered = backend.all_gather(local, domain="data")
-        if bool((gathered[:, 0] != gathered[0, 0]).any()):
+        device = backend.device
+        pairs = [x for name in names for x in _local_pair(self._series[name], self._host_values(name))]
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        local = torch.tensor([float(zlib.crc32("\0".join(names).encode())), *pairs], dtype=dtype, device=device)
+        rows = backend.all_gather(local, domain="data").tolist()
+        if any(row[0] != rows[0][0] for row in rows):
             raise RuntimeError(
                 f"ranks logged different metrics since the last reduction (this rank: {names}); "
                 "log the same names on every rank, or declare them with engine.metrics.declare()"
             )
         result = {}
         for i, name in enumerate(names):
-            a, b = gathered[:, 1 + 2 * i], gathered[:, 2 + 2 * i]
+            a = [row[1 + 2 * i] for row in rows]
+            b = [row[2 + 2 * i] for row in rows]
             result[name] = _finish(self._series[name].reduce, a, b)
         if reset:
             self.reset()
         return result
 
-    def _pack(self, names: list[str], device: torch.device) -> torch.Tensor:
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        packed = torch.zeros(1 + 2 * len(names), dtype=dtype, device=device)
-        packed[0] = zlib.crc32("\0".join(names).encode())
-        columns: list[torch.Tensor] = []
-        for name in names:
-            series = self._series.get(name)
-            columns.extend(_local_pair(series, dtype, device))
-        if columns:
-            packed[1 : 1 + 2 * len(names)] = torch.stack(columns)
-        return packed
+    def __contains__(self, name: object) -> bool:
+        """Whether `name` has a value pending since the last reduction."""
+        series = self._series.get(name) if isinstance(name, str) else None
+        return series is not None and bool(series.values)
+
+    def _host_values(self, name: str) -> list[float]:
+        """The pending values of `name` as floats, tensors copied in one go per device."""
+        values: list[Any] = list(self._series[name].values)
+        by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        for i, value in enumerate(values):
+            if isinstance(value, torch.Tensor):
+                if value.dim():
+                    if value.numel() != 1:
+                        raise ValueError(
+                            f"metric {name!r}: engine.log needs a scalar, got a tensor of shape {tuple(value.shape)}; "
+                            "log a reduced value such as tensor.mean()"
+                        )
+                    value = value.reshape(())
+                slots, tensors = by_device.setdefault(value.device, ([], []))
+                slots.append(i)
+                tensors.append(value)
+            else:
+                try:
+                    values[i] = float(value)
+                except (TypeError, ValueError):
+                    raise TypeError(
+                        f"metric {name!r}: engine.log needs a number or a scalar tensor, got {type(value).__name__} {value!r}"
+                    ) from None
+        for slots, tensors in by_device.values():
+            # One copy (and sync) per device; detach so no graph is built for it.
+            for i, host in zip(slots, torch.stack([t.detach() for t in tensors]).tolist()):
+                values[i] = float(host)
+        return values
 
 
-def _as_tensor(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.stack([torch.as_tensor(v, device=device).detach().reshape(()).to(dtype) for v in values])
-
-
-def _local_pair(series: _Series | None, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    zero = torch.zeros((), dtype=dtype, device=device)
-    if series is None or not series.values:
-        return [zero, zero]
-    values = _as_tensor(series.values, dtype, device)
+def _local_pair(series: _Series, values: list[float]) -> tuple[float, float]:
+    """This rank's (value, weight) for one metric; weight 0 means "not logged here"."""
+    if not values:
+        return 0.0, 0.0
     if series.reduce == "mean":
-        weights = torch.tensor(series.weights, dtype=dtype, device=device)
-        return [(values * weights).sum(), weights.sum()]
-    one = torch.ones((), dtype=dtype, device=device)
+        return math.fsum(v * w for v, w in zip(values, series.weights)), math.fsum(series.weights)
     if series.reduce == "sum":
-        return [values.sum(), one]
+        return math.fsum(values), 1.0
     if series.reduce == "max":
-        return [values.max(), one]
+        return max(values), 1.0
     if series.reduce == "min":
-        return [values.min(), one]
-    return [values[-1], one]
+        return min(values), 1.0
+    return values[-1], 1.0
 
 
-def _finish(kind: str, a: torch.Tensor, b: torch.Tensor) -> float:
-    present = b > 0  # ranks that logged this metric at all
+def _finish(kind: str, a: list[float], b: list[float]) -> float:
     if kind == "mean":
-        total = b.sum()
-        return float("nan") if total.item() == 0 else (a.sum() / total).item()
-    if not bool(present.any()):
+        total = math.fsum(b)
+        return float("nan") if total == 0 else math.fsum(a) / total
+    present = [x for x, w in zip(a, b) if w > 0]  # ranks that logged this metric at all
+    if not present:
         return float("nan")
-    a = a[present]
     if kind == "sum":
-        return a.sum().item()
+        return math.fsum(present)
     if kind == "max":
-        return a.max().item()
+        return max(present)
     if kind == "min":
-        return a.min().item()
-    return a[0].item()
+        return min(present)
+    return present[0]

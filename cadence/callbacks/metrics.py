@@ -1,0 +1,291 @@
+"""Built-in training metrics (loss, learning rate, timing, throughput, MFU) and the default sinks.
+
+The step pays for a reference and two clock reads: the detached loss is kept
+(no copy, no host sync), times are Python floats, and everything else is
+computed once per `log_interval`, right before the engine reduces the
+metrics. See docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Mapping
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
+import torch
+
+from cadence.engine import config as config_module
+from cadence.engine.callback import Callback
+from cadence.engine.order import Order
+
+if TYPE_CHECKING:
+    from cadence.engine.engine import Engine
+
+C = TypeVar("C")
+
+
+def _positive(instance: Any, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"TrainMetrics: {attribute.name} must be > 0, got {value!r}")
+
+
+@attrs.define(kw_only=True)
+class TrainMetricsConfig:
+    """Which built-in metrics `TrainMetrics` logs.
+
+    Attributes:
+        loss: log `loss` (mean over the micro-batches of the interval and the ranks).
+        learning_rate: log `lr` (`lr.<group>` / `lr.opt<i>.<group>` for several groups / optimizers).
+        grad_norm: log `grad_norm` from `engine.grad_norm` (set by `GradClip`) if nobody logged it.
+        timing: log `time.step` and `time.data_wait` (seconds per step, mean).
+        throughput: log `throughput.samples_per_sec` and, once `state.tokens_seen`
+            advances, `throughput.tokens_per_sec` (summed over the data ranks).
+        flops_per_sample: training FLOPs per sample (forward + backward, about 6 x parameters x tokens
+            for a transformer); enables `throughput.tflops` per device.
+        flops_per_token: the same per token (give one of the two).
+        peak_flops: peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16); enables `mfu`.
+    """
+
+    loss: bool = True
+    learning_rate: bool = True
+    grad_norm: bool = True
+    timing: bool = True
+    throughput: bool = True
+    flops_per_sample: float | None = attrs.field(default=None, validator=_positive)
+    flops_per_token: float | None = attrs.field(default=None, validator=_positive)
+    peak_flops: float | None = attrs.field(default=None, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.flops_per_sample is not None and self.flops_per_token is not None:
+            raise ValueError("TrainMetrics: give flops_per_sample or flops_per_token, not both")
+        if self.peak_flops is not None and self.flops_per_sample is None and self.flops_per_token is None:
+            raise ValueError(
+                f"TrainMetrics: peak_flops={self.peak_flops!r} needs flops_per_sample or flops_per_token to compute MFU"
+            )
+
+
+class TrainMetrics(Callback):
+    """Logs the built-in training metrics through `engine.log`.
+
+    Per step: a reference to the detached loss of each micro-batch (no copy,
+    no sync) and two `perf_counter` reads; the interval's losses are averaged
+    on the device and logged once (weighted by their count). Per log interval: learning rates, gradient norm,
+    mean step time and data-wait time, samples/s, tokens/s, TFLOP/s and MFU.
+    Data wait is the time from the end of the previous step to the start of
+    this one (the micro-batches are fetched in between); evaluation and
+    checkpoint saves in that gap are not counted. Throughput divides the
+    interval's samples by its step plus data-wait time.
+
+    Order: `Order.METRICS` (80), after the callbacks that change the step and
+    before the sinks (`Order.LOGGER`), which read `engine.logged` in `on_log`.
+
+    Example:
+        >>> import torch, cadence
+        >>> from cadence.callbacks.metrics import TrainMetrics
+        >>> model = torch.nn.Linear(2, 1)
+        >>> data = [(torch.randn(4, 2), torch.randn(4, 1))] * 4
+        >>> engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...                         loss_fn=torch.nn.functional.mse_loss, log_interval=2,
+        ...                         callbacks=[TrainMetrics()], seed=0)
+        >>> engine.fit(steps=2)
+        >>> sorted(engine.logged)[:3]
+        ['loss', 'lr', 'throughput.samples_per_sec']
+    """
+
+    order = Order.METRICS
+
+    def __init__(self, config: TrainMetricsConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        self.config = build_config(TrainMetricsConfig, config, kwargs, "TrainMetrics")
+        self._log_loss = self.config.loss
+        self._interval = 1
+        self._step_start = 0.0
+        self._last_end: float | None = None
+        self._between_steps = False
+        self._losses: list[torch.Tensor] = []  # this interval's micro-batch losses
+        self._reset_window(0, 0)
+
+    def _reset_window(self, samples: int, tokens: int) -> None:
+        self._steps = 0
+        self._step_time = 0.0
+        self._data_time = 0.0
+        self._samples0, self._tokens0 = samples, tokens
+
+    # -- per step (the hot path) ----------------------------------------------
+
+    def on_fit_start(self, engine: Engine) -> None:
+        self._interval = engine.config.log_interval
+        self._reset_window(engine.state.samples_seen, engine.state.tokens_seen)
+        self._last_end = perf_counter()  # the first step's data wait includes opening the epoch
+        self._between_steps = True
+
+    def on_step_start(self, engine: Engine) -> None:
+        now = perf_counter()
+        if self._last_end is not None:
+            self._data_time += now - self._last_end
+        self._step_start = now
+        self._between_steps = False
+
+    def on_forward(self, engine: Engine) -> None:
+        if self._log_loss:
+            # A reference to the detached loss: no copy, no host sync until the interval.
+            self._losses.append(engine.loss.detach())  # type: ignore[union-attr]
+
+    def on_step_end(self, engine: Engine) -> None:
+        now = perf_counter()
+        self._step_time += now - self._step_start
+        self._steps += 1
+        self._last_end = now
+        self._between_steps = True
+        if engine.state.step % self._interval == 0:  # the engine reduces right after on_step_end
+            self._log_interval(engine)
+
+    # -- gaps that are not data wait ------------------------------------------
+
+    def on_eval_end(self, engine: Engine) -> None:
+        if self._between_steps:
+            self._last_end = perf_counter()
+
+    def on_save(self, engine: Engine) -> None:
+        if self._between_steps:
+            self._last_end = perf_counter()
+
+    def on_teardown(self, engine: Engine) -> None:
+        self._last_end = None
+        self._between_steps = False
+
+    # -- per interval -----------------------------------------------------------
+
+    def _log_interval(self, engine: Engine) -> None:
+        config, state = self.config, engine.state
+        if self._losses:
+            # One device op per interval instead of one logged value per micro-batch.
+            losses, self._losses = self._losses, []
+            stacked = torch.stack(losses)
+            dtype = torch.float32 if stacked.device.type == "mps" else torch.float64
+            engine.log("loss", stacked.mean(dtype=dtype), "mean", weight=float(len(losses)))
+        if config.learning_rate:
+            for name, value in learning_rates(engine.optimizers):
+                engine.log(name, value, "last")
+        if config.grad_norm:
+            grad_norm = getattr(engine, "grad_norm", None)
+            if grad_norm is not None and "grad_norm" not in engine.metrics:
+                engine.log("grad_norm", grad_norm, "max")  # as GradClip logs it
+        steps = self._steps
+        if steps:
+            elapsed = self._step_time + self._data_time
+            if config.timing:
+                engine.log("time.step", self._step_time / steps, "mean")
+                engine.log("time.data_wait", self._data_time / steps, "mean")
+            if config.throughput and elapsed > 0:
+                self._log_throughput(engine, elapsed)
+        self._reset_window(state.samples_seen, state.tokens_seen)
+
+    def _log_throughput(self, engine: Engine, elapsed: float) -> None:
+        config, state = self.config, engine.state
+        samples_per_sec = (state.samples_seen - self._samples0) / elapsed
+        tokens_per_sec = (state.tokens_seen - self._tokens0) / elapsed
+        # Rates of this rank: summed over the data ranks they are the global rates.
+        engine.log("throughput.samples_per_sec", samples_per_sec, "sum")
+        if state.tokens_seen > 0:
+            engine.log("throughput.tokens_per_sec", tokens_per_sec, "sum")
+        flops = None
+        if config.flops_per_sample is not None:
+            flops = config.flops_per_sample * samples_per_sec
+        elif config.flops_per_token is not None:
+            flops = config.flops_per_token * tokens_per_sec
+        if flops is not None:
+            # Per device, so the mean over ranks is the run's TFLOP/s per device and its MFU.
+            engine.log("throughput.tflops", flops / 1e12, "mean")
+            if config.peak_flops is not None:
+                engine.log("mfu", flops / config.peak_flops, "mean")
+
+
+def learning_rates(optimizers: list[Any]) -> list[tuple[str, Any]]:
+    """`(name, lr)` of every param group: `lr`, `lr.<group>` or `lr.opt<i>[.<group>]`."""
+    result = []
+    for i, optimizer in enumerate(optimizers):
+        groups = optimizer.param_groups
+        prefix = f"lr.opt{i}" if len(optimizers) > 1 else "lr"
+        for j, group in enumerate(groups):
+            name = prefix if len(groups) == 1 else f"{prefix}.{group.get('name', j)}"
+            result.append((name, group["lr"]))
+    return result
+
+
+def default_callbacks() -> list[Callback]:
+    """The default observability callbacks: metrics, progress bar, JSONL and text log.
+
+    Example:
+        >>> from cadence.callbacks.metrics import default_callbacks
+        >>> [type(c).__name__ for c in default_callbacks()]
+        ['TrainMetrics', 'ProgressBar', 'JSONL', 'TextLog']
+    """
+    from cadence.callbacks.jsonl import JSONL
+    from cadence.callbacks.progress import ProgressBar
+    from cadence.callbacks.text_log import TextLog
+
+    return [TrainMetrics(), ProgressBar(), JSONL(), TextLog()]
+
+
+# -- helpers shared by the sinks -------------------------------------------------
+
+
+def build_config(cls: type[C], config: C | Mapping[str, Any] | None, kwargs: dict[str, Any], owner: str) -> C:
+    """A callback's config from `config=` (instance or mapping) or keyword arguments."""
+    if config is not None and kwargs:
+        raise TypeError(f"{owner}: pass config= or keyword arguments, not both (got config and {sorted(kwargs)})")
+    if isinstance(config, cls):
+        return config
+    if config is None:
+        data: Mapping[str, Any] = kwargs
+    elif isinstance(config, Mapping):
+        data = config
+    else:
+        raise TypeError(f"{owner}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
+    return config_module.structure(cls, dict(data), path=owner)
+
+
+def is_main(engine: Engine) -> bool:
+    """True on the global main process, the one that writes logs."""
+    return bool(engine.backend.is_main)
+
+
+def timestamp() -> str:
+    """A file-name-safe local timestamp, e.g. `20250101-120000`."""
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def eval_split(logged: Mapping[str, Any]) -> str:
+    """The split of an evaluation's `engine.logged` (`val` for `val.loss`)."""
+    return next(iter(logged), "").partition(".")[0]
+
+
+def flat_config(run_config: Any) -> dict[str, Any]:
+    """The run config unstructured and flattened to dotted keys with scalar values."""
+    try:
+        data = config_module.unstructure(run_config)
+    except TypeError:
+        return {}
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif value is None or isinstance(value, (list, tuple)):
+            flat[prefix] = str(value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            flat[prefix] = str(value)
+        elif isinstance(value, (bool, int, float, str)):
+            flat[prefix] = value
+        else:
+            flat[prefix] = str(value)
+
+    walk("", data)
+    return flat
+
+
+__all__ = ["TrainMetrics", "TrainMetricsConfig", "default_callbacks", "learning_rates"]

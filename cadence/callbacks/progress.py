@@ -1,0 +1,233 @@
+"""A progress bar (tqdm.auto: terminal or notebook) with periodic log lines as the fallback."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Mapping
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from cadence.callbacks.metrics import build_config, is_main
+from cadence.engine.callback import Callback
+from cadence.engine.order import Order
+
+if TYPE_CHECKING:
+    from cadence.engine.engine import Engine
+
+
+@attrs.define(kw_only=True)
+class ProgressBarConfig:
+    """How `ProgressBar` shows progress.
+
+    Attributes:
+        mode: `bar` (tqdm), `lines` (one text line per log interval) or `auto`:
+            a bar in a terminal or notebook, lines when the output is a file or pipe.
+        metrics: logged names shown in the postfix / lines, when present.
+        leave: keep the finished bar on screen.
+    """
+
+    mode: Literal["auto", "bar", "lines"] = "auto"
+    metrics: tuple[str, ...] = (
+        "loss",
+        "val.loss",
+        "throughput.samples_per_sec",
+        "throughput.tokens_per_sec",
+    )
+    leave: bool = True
+
+
+class ProgressBar(Callback):
+    """Shows the fit's progress on the main process.
+
+    Step mode (`fit(steps=...)` or a step target): one bar over the steps,
+    from `state.step` (a resumed run starts where it stopped) to the target.
+    Epoch mode: one bar per epoch over its steps (`len(loader) / grad_accum`),
+    starting at the steps already done in that epoch. The postfix shows the
+    loss and throughput of the last `on_log`. When the output is not a
+    terminal (and not a notebook), it writes a line per `on_log` instead.
+
+    Args:
+        config: a `ProgressBarConfig` (or mapping); or its fields as keywords.
+        stream: where to write (default `sys.stderr`).
+
+    Order: `Order.PROGRESS` (95).
+
+    Example:
+        >>> import io, torch, cadence
+        >>> from cadence.callbacks.progress import ProgressBar
+        >>> model = torch.nn.Linear(2, 1)
+        >>> data = [(torch.randn(4, 2), torch.randn(4, 1))] * 4
+        >>> out = io.StringIO()
+        >>> engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...                         loss_fn=torch.nn.functional.mse_loss,
+        ...                         callbacks=[ProgressBar(mode="bar", stream=out)], seed=0)
+        >>> engine.fit(steps=3)
+        >>> "3/3" in out.getvalue()
+        True
+    """
+
+    order = Order.PROGRESS
+
+    def __init__(
+        self,
+        config: ProgressBarConfig | Mapping[str, Any] | None = None,
+        *,
+        stream: IO[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.config = build_config(ProgressBarConfig, config, kwargs, "ProgressBar")
+        self.stream = stream
+        self.bar: Any = None  # the tqdm bar while one is open
+        self._active = False
+        self._lines = False
+        self._in_eval = False
+        self._postfix: dict[str, str] = {}
+        self._fit_start = 0.0
+        self._fit_start_step = 0
+
+    # -- setup ------------------------------------------------------------------
+
+    def on_fit_start(self, engine: Engine) -> None:
+        self._active = is_main(engine)
+        self._lines = self._active and self._use_lines()
+        self._fit_start, self._fit_start_step = time.perf_counter(), engine.state.step
+
+    def _use_lines(self) -> bool:
+        if self.config.mode != "auto":
+            return self.config.mode == "lines"
+        from tqdm import auto
+
+        if any(cls.__module__ == "tqdm.notebook" for cls in auto.tqdm.__mro__):  # a notebook widget bar
+            return False
+        isatty = getattr(self._stream(), "isatty", None)
+        return not (callable(isatty) and isatty())
+
+    def _stream(self) -> IO[str]:
+        return self.stream if self.stream is not None else sys.stderr
+
+    # -- per step ---------------------------------------------------------------
+
+    def on_step_start(self, engine: Engine) -> None:
+        if self.bar is None and self._active and not self._lines:
+            self._open(engine)  # lazily: a checkpoint restored in on_fit_start has moved the step
+
+    def on_step_end(self, engine: Engine) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_epoch_end(self, engine: Engine) -> None:
+        if self.bar is not None and self._epoch_mode(engine):
+            self._close()
+
+    # -- per log ----------------------------------------------------------------
+
+    def on_eval_start(self, engine: Engine) -> None:
+        self._in_eval = True
+
+    def on_eval_end(self, engine: Engine) -> None:
+        self._in_eval = False
+
+    def on_log(self, engine: Engine) -> None:
+        if not self._active:
+            return
+        shown = {
+            short_name(name): _format(engine.logged[name]) for name in self.config.metrics if name in engine.logged
+        }
+        self._postfix.update(shown)
+        if self._lines:
+            self._write_line(engine, shown)
+        elif self.bar is not None:
+            self.bar.set_postfix(self._postfix, refresh=False)
+
+    def _write_line(self, engine: Engine, shown: dict[str, str]) -> None:
+        state = engine.state
+        stop_step, stop_epoch = engine.fit_target
+        where = f"step {state.step}" + (f"/{stop_step}" if math.isfinite(stop_step) else "")
+        where += f" epoch {state.epoch}" + (f"/{stop_epoch}" if math.isfinite(stop_epoch) else "")
+        if self._in_eval:
+            where += " eval"
+        elapsed = time.perf_counter() - self._fit_start
+        done = state.step - self._fit_start_step
+        timing = f"elapsed {_clock(elapsed)}"
+        if done > 0 and math.isfinite(stop_step):
+            timing += f" eta {_clock(elapsed / done * max(0, stop_step - state.step))}"
+        metrics = " ".join(f"{k}={v}" for k, v in shown.items())
+        stream = self._stream()
+        stream.write(f"{where} | {metrics} | {timing}\n" if metrics else f"{where} | {timing}\n")
+        stream.flush()
+
+    # -- the bar ----------------------------------------------------------------
+
+    def _epoch_mode(self, engine: Engine) -> bool:
+        stop_step, stop_epoch = engine.fit_target
+        return not math.isfinite(stop_step) and math.isfinite(stop_epoch)
+
+    def _open(self, engine: Engine) -> None:
+        from tqdm.auto import tqdm
+
+        state = engine.state
+        stop_step, stop_epoch = engine.fit_target
+        if self._epoch_mode(engine):
+            per_epoch = steps_per_epoch(engine)
+            position = math.ceil(state.batch_in_epoch / engine.config.grad_accum)
+            total = per_epoch
+            desc = f"epoch {state.epoch + 1}/{int(stop_epoch)}"
+        else:
+            position = state.step
+            total = int(stop_step) if math.isfinite(stop_step) else None
+            desc = "train"
+        self.bar = tqdm(
+            total=total,
+            initial=position,
+            desc=desc,
+            unit="step",
+            file=self._stream(),
+            leave=self.config.leave,
+            dynamic_ncols=True,
+        )
+        if self._postfix:
+            self.bar.set_postfix(self._postfix, refresh=False)
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def on_fit_end(self, engine: Engine) -> None:
+        self._close()
+
+    def on_teardown(self, engine: Engine) -> None:
+        self._close()
+        self._in_eval = False
+
+
+def steps_per_epoch(engine: Engine) -> int | None:
+    """Optimizer steps in one epoch of training data (None when its length is unknown)."""
+    source = engine.data.get("train")
+    if source is None or not source.has_len():
+        return None
+    return math.ceil(len(source) / engine.config.grad_accum)
+
+
+def short_name(name: str) -> str:
+    """`throughput.samples_per_sec` -> `samples/s`; other names unchanged."""
+    if name.startswith("throughput."):
+        name = name[len("throughput.") :]
+    return name.replace("_per_sec", "/s")
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+__all__ = ["ProgressBar", "ProgressBarConfig"]

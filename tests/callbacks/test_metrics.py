@@ -1,0 +1,243 @@
+"""TrainMetrics: the built-in metrics, and MetricStore's reduction."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import cadence
+from cadence.backends.local import LocalBackend
+from cadence.callbacks.grad_clip import GradClip
+from cadence.callbacks.metrics import TrainMetrics, TrainMetricsConfig, default_callbacks, learning_rates
+from cadence.engine.metrics import MetricStore
+from tests.conftest import tiny_batches, tiny_model
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_engine(callbacks, *, data=None, log_interval=3, **kwargs):
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return cadence.Engine(
+        model,
+        optimizer,
+        data if data is not None else tiny_batches(12),
+        loss_fn=F.cross_entropy,
+        callbacks=callbacks,
+        log_interval=log_interval,
+        seed=0,
+        **kwargs,
+    )
+
+
+def record_logs(engine):
+    logs = []
+    engine.on(cadence.Event.ON_LOG)(lambda e: logs.append((e.state.step, dict(e.logged))))
+    return logs
+
+
+def test_loss_is_the_mean_of_every_micro_batch_loss_of_the_interval():
+    engine = make_engine([TrainMetrics()], grad_accum=2)
+    losses = []
+    engine.on(cadence.Event.ON_FORWARD, order=99)(lambda e: losses.append(e.loss.item()))
+    logs = record_logs(engine)
+    engine.fit(steps=6)
+    assert [step for step, _ in logs] == [3, 6]
+    assert len(losses) == 12  # 2 micro-batches x 6 steps
+    assert logs[0][1]["loss"] == pytest.approx(sum(losses[:6]) / 6, rel=1e-12)
+    assert logs[1][1]["loss"] == pytest.approx(sum(losses[6:]) / 6, rel=1e-12)
+    assert set(logs[0][1]) == {"loss", "lr", "time.step", "time.data_wait", "throughput.samples_per_sec"}
+
+
+def test_throughput_is_samples_over_step_plus_data_wait_time():
+    engine = make_engine([TrainMetrics()], log_interval=4)
+    logs = record_logs(engine)
+    engine.fit(steps=8)
+    for _, logged in logs:
+        seconds = 4 * (logged["time.step"] + logged["time.data_wait"])
+        assert logged["throughput.samples_per_sec"] * seconds == pytest.approx(4 * 8, rel=1e-9)
+
+
+class SlowData:
+    """Batches that take `delay` seconds each to arrive."""
+
+    def __init__(self, batches, delay):
+        self.batches, self.delay = batches, delay
+
+    def __iter__(self):
+        for batch in self.batches:
+            time.sleep(self.delay)
+            yield batch
+
+
+def test_data_wait_measures_the_loader_and_not_evaluation():
+    def slow_eval(model, batch):
+        time.sleep(0.1)
+        return {"loss": F.cross_entropy(model(batch[0]), batch[1])}
+
+    engine = make_engine(
+        [TrainMetrics()],
+        data=SlowData(tiny_batches(6), 0.03),
+        eval_data=tiny_batches(1),
+        eval_fn=slow_eval,
+        eval_every_steps=1,
+        log_interval=3,
+    )
+    logs = record_logs(engine)
+    engine.fit(steps=6)
+    train = [logged for _, logged in logs if "loss" in logged]
+    assert len(train) == 2
+    for logged in train:
+        assert 0.03 <= logged["time.data_wait"] < 0.09  # the sleep, not the 0.1 s evaluations
+        assert logged["time.step"] < 0.05
+
+
+def test_learning_rate_per_param_group_and_optimizer():
+    model = tiny_model()
+    body, _, head = model.children()
+    first = torch.optim.SGD(
+        [{"params": body.parameters(), "lr": 0.1, "name": "body"}, {"params": head.parameters(), "lr": 0.01}]
+    )
+    assert learning_rates([first]) == [("lr.body", 0.1), ("lr.1", 0.01)]
+    second = torch.optim.SGD(model.parameters(), lr=0.5)
+    assert learning_rates([first, second]) == [("lr.opt0.body", 0.1), ("lr.opt0.1", 0.01), ("lr.opt1", 0.5)]
+
+    engine = cadence.Engine(
+        model,
+        [first, second],
+        tiny_batches(4),
+        loss_fn=F.cross_entropy,
+        callbacks=[TrainMetrics()],
+        log_interval=2,
+        seed=0,
+    )
+    logs = record_logs(engine)
+    engine.fit(steps=2)
+    assert {k: v for k, v in logs[0][1].items() if k.startswith("lr")} == {
+        "lr.opt0.body": 0.1,
+        "lr.opt0.1": 0.01,
+        "lr.opt1": 0.5,
+    }
+
+
+def test_learning_rate_follows_the_scheduler():
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    engine = cadence.Engine(
+        model, optimizer, tiny_batches(4), loss_fn=F.cross_entropy, scheduler=scheduler,
+        callbacks=[TrainMetrics()], log_interval=2, seed=0,
+    )  # fmt: skip
+    logs = record_logs(engine)
+    engine.fit(steps=4)
+    # Read after the scheduler stepped at the logged step (Order.SCHEDULER < Order.METRICS).
+    assert [logged["lr"] for _, logged in logs] == [0.25, 0.0625]
+
+
+def test_tokens_tflops_and_mfu_when_the_user_counts_tokens():
+    def count_tokens(engine):
+        engine.state.tokens_seen += 100  # e.g. 8 sequences of 12.5 tokens
+
+    metrics = TrainMetrics(flops_per_token=6e6, peak_flops=1e12)
+    engine = make_engine([metrics], log_interval=3)
+    engine.on(cadence.Event.ON_STEP_END, order=0)(count_tokens)
+    logs = record_logs(engine)
+    engine.fit(steps=3)
+    logged = logs[0][1]
+    tokens_per_sec = logged["throughput.tokens_per_sec"]
+    assert tokens_per_sec == pytest.approx(logged["throughput.samples_per_sec"] * 100 / 8, rel=1e-9)
+    assert logged["throughput.tflops"] == pytest.approx(6e6 * tokens_per_sec / 1e12, rel=1e-9)
+    assert logged["mfu"] == pytest.approx(6e6 * tokens_per_sec / 1e12, rel=1e-9)
+
+
+def test_no_tokens_metric_without_a_token_count():
+    engine = make_engine([TrainMetrics(flops_per_sample=1e6)], log_interval=3)
+    logs = record_logs(engine)
+    engine.fit(steps=3)
+    assert "throughput.tokens_per_sec" not in logs[0][1]
+    assert "mfu" not in logs[0][1]
+    assert logs[0][1]["throughput.tflops"] == pytest.approx(1e6 * logs[0][1]["throughput.samples_per_sec"] / 1e12)
+
+
+def test_grad_norm_from_engine_attribute_and_no_clash_with_grad_clip():
+    class SetNorm(cadence.Callback):
+        def on_before_optimizer_step(self, engine):
+            engine.grad_norm = torch.tensor(float(engine.state.step))
+
+    engine = make_engine([TrainMetrics(), SetNorm()], log_interval=3)
+    logs = record_logs(engine)
+    engine.fit(steps=6)
+    assert [logged["grad_norm"] for _, logged in logs] == [2.0, 5.0]
+
+    engine = make_engine([TrainMetrics(), GradClip(max_norm=1e9)], log_interval=3)
+    norms = []
+    engine.on(cadence.Event.ON_STEP_END)(lambda e: norms.append(float(e.grad_norm)))
+    logs = record_logs(engine)
+    engine.fit(steps=3)
+    assert logs[0][1]["grad_norm"] == pytest.approx(norms[-1])
+
+
+def test_switches_turn_metrics_off():
+    engine = make_engine([TrainMetrics(loss=False, learning_rate=False, throughput=False)], log_interval=3)
+    logs = record_logs(engine)
+    engine.fit(steps=3)
+    assert set(logs[0][1]) == {"time.step", "time.data_wait"}
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"peak_flops=1000000000000\.0 needs flops_per_sample or flops_per_token"):
+        TrainMetrics(peak_flops=1e12)
+    with pytest.raises(ValueError, match="not both"):
+        TrainMetricsConfig(flops_per_sample=1.0, flops_per_token=1.0)
+    with pytest.raises(cadence.ConfigError, match="flops_per_sample"):
+        TrainMetrics(flops_per_sample="many")
+    with pytest.raises(TypeError, match="config= or keyword arguments"):
+        TrainMetrics(TrainMetricsConfig(), loss=False)
+    assert TrainMetrics({"loss": False}).config.loss is False
+
+
+def test_survives_fit_twice_and_default_callbacks():
+    engine = make_engine([TrainMetrics()], log_interval=3)
+    logs = record_logs(engine)
+    engine.fit(steps=3)
+    engine.fit(steps=3)
+    assert [step for step, _ in logs] == [3, 6]
+    assert all(math.isfinite(logged["throughput.samples_per_sec"]) for _, logged in logs)
+    assert [type(c).__name__ for c in default_callbacks()] == ["TrainMetrics", "ProgressBar", "JSONL", "TextLog"]
+
+
+# -- MetricStore -----------------------------------------------------------------------------
+
+
+def test_store_reductions_tensors_and_numbers_exact():
+    store = MetricStore()
+    store.log("a", torch.tensor(1.0), weight=1.0)
+    store.log("a", 0.1, weight=3.0)  # a Python float keeps float64 precision
+    store.log("a", torch.tensor([2.0], dtype=torch.bfloat16), weight=2.0)
+    for value in (3, torch.tensor(5, dtype=torch.int64), 4.0):
+        store.log("s", value, "sum")
+        store.log("mx", value, "max")
+        store.log("mn", value, "min")
+        store.log("l", value, "last")
+    store.declare("never")
+    assert "a" in store and "never" not in store and "other" not in store
+    result = store.compute(LocalBackend())
+    assert result["a"] == (1.0 + 0.1 * 3 + 2.0 * 2) / 6
+    assert (result["s"], result["mx"], result["mn"], result["l"]) == (12.0, 5.0, 3.0, 4.0)
+    assert math.isnan(result["never"])
+    assert not store
+
+
+def test_store_errors_name_the_metric():
+    store = MetricStore()
+    store.log("vec", torch.ones(3))
+    with pytest.raises(ValueError, match=r"metric 'vec'.*shape \(3,\)"):
+        store.compute(LocalBackend())
+    store = MetricStore()
+    store.log("text", "high")
+    with pytest.raises(TypeError, match=r"metric 'text'.*str"):
+        store.compute(LocalBackend())

@@ -1,0 +1,139 @@
+"""ProgressBar: totals and positions in step mode, epoch mode and after a resume; lines fallback."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import cadence
+from cadence.backends.local import LocalBackend
+from cadence.callbacks.checkpoint import Checkpoint
+from cadence.callbacks.metrics import TrainMetrics
+from cadence.callbacks.progress import ProgressBar
+from tests.conftest import tiny_batches, tiny_dataset, tiny_model
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_engine(callbacks, *, data=None, **kwargs):
+    model = tiny_model()
+    kwargs.setdefault("log_interval", 2)
+    return cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data if data is not None else tiny_batches(12),
+        loss_fn=F.cross_entropy,
+        callbacks=callbacks,
+        seed=0,
+        **kwargs,
+    )
+
+
+def bar_states(text):
+    """(description, position, total) of every state tqdm drew, in order."""
+    return [
+        (m.group(1).strip(), int(m.group(2)), int(m.group(3)))
+        for m in re.finditer(r"(?:^|\r|\n)([^\r\n|]*?):?\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)", text)
+    ]
+
+
+def test_step_mode_total_and_position_across_two_fits():
+    out = io.StringIO()
+    bar = ProgressBar(mode="bar", stream=out)
+    engine = make_engine([TrainMetrics(), bar])
+    engine.fit(steps=6)
+    states = bar_states(out.getvalue())
+    assert states[0][1:] == (0, 6) and states[-1][1:] == (6, 6)
+    assert "loss=" in out.getvalue() and "samples/s=" in out.getvalue()
+    assert bar.bar is None  # closed at fit end
+
+    out.truncate(0), out.seek(0)
+    engine.fit(steps=4)  # re-entrant: the second bar counts 6 -> 10
+    states = bar_states(out.getvalue())
+    assert states[0][1:] == (6, 10) and states[-1][1:] == (10, 10)
+
+
+def test_epoch_mode_one_bar_per_epoch_over_its_steps():
+    out = io.StringIO()
+    # 5 micro-batches per epoch, 2 per step: 3 optimizer steps per epoch.
+    engine = make_engine(
+        [ProgressBar(mode="bar", stream=out)], data=tiny_dataset(40), train={"batch_size": 8}, grad_accum=2
+    )
+    engine.fit(epochs=2)
+    states = bar_states(out.getvalue())
+    assert states[0] == ("epoch 1/2", 0, 3)
+    assert ("epoch 1/2", 3, 3) in states
+    assert ("epoch 2/2", 0, 3) in states
+    assert states[-1] == ("epoch 2/2", 3, 3)
+    assert engine.state.step == 6
+
+
+def test_after_resume_the_bar_starts_at_the_restored_step(tmp_path):
+    ckpt_dir = str(tmp_path / "ckpt")
+    first = make_engine(
+        [Checkpoint(dir=ckpt_dir, interval=4, unit="step", save_on_fit_end=False)], data=tiny_dataset(96),
+        train={"batch_size": 8}, steps=10,
+    )  # fmt: skip
+    first.fit(steps=6)  # saved at step 4, stopped at 6
+
+    out = io.StringIO()
+    resumed = make_engine(
+        [Checkpoint(dir=ckpt_dir, auto_resume=True), ProgressBar(mode="bar", stream=out)],
+        data=tiny_dataset(96), train={"batch_size": 8}, steps=10,
+    )  # fmt: skip
+    resumed.fit()  # to the configured target
+    states = bar_states(out.getvalue())
+    assert states[0][1:] == (4, 10)
+    assert states[-1][1:] == (10, 10)
+
+
+def test_epoch_mode_resume_mid_epoch(tmp_path):
+    ckpt_dir = str(tmp_path / "ckpt")
+    first = make_engine(
+        [Checkpoint(dir=ckpt_dir, interval=2, unit="step", save_on_fit_end=False)], data=tiny_dataset(48),
+        train={"batch_size": 8},
+    )  # fmt: skip
+    first.fit(steps=8)  # epoch 0 has 6 steps; saved at 8 = epoch 1, step 2 of it
+
+    out = io.StringIO()
+    resumed = make_engine(
+        [Checkpoint(dir=ckpt_dir, auto_resume=True), ProgressBar(mode="bar", stream=out)],
+        data=tiny_dataset(48), train={"batch_size": 8}, epochs=2,
+    )  # fmt: skip
+    resumed.fit()
+    states = bar_states(out.getvalue())
+    assert states[0] == ("epoch 2/2", 2, 6)
+    assert states[-1] == ("epoch 2/2", 6, 6)
+
+
+def test_lines_when_the_output_is_not_a_terminal():
+    out = io.StringIO()  # not a tty: auto mode falls back to lines
+    engine = make_engine([TrainMetrics(), ProgressBar(stream=out)], eval_data=tiny_batches(2), eval_every_steps=4)
+    engine.fit(steps=4)
+    lines = out.getvalue().splitlines()
+    assert [line.split(" |")[0] for line in lines] == [
+        "step 2/4 epoch 0",
+        "step 4/4 epoch 0",
+        "step 4/4 epoch 0 eval",
+    ]
+    assert "loss=" in lines[0] and "samples/s=" in lines[0] and "eta 0:00:00" in lines[0]
+    assert "val.loss=" in lines[2]
+    assert "\r" not in out.getvalue()
+
+
+def test_nothing_on_other_ranks():
+    out = io.StringIO()
+    backend = LocalBackend()
+    backend.rank = 1  # a non-main process (collectives stay local)
+    engine = make_engine([TrainMetrics(), ProgressBar(mode="bar", stream=out)], backend=backend)
+    engine.fit(steps=4)
+    assert out.getvalue() == ""
+
+
+def test_config_errors():
+    with pytest.raises(cadence.ConfigError, match="mode"):
+        ProgressBar(mode="fancy")
