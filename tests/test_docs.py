@@ -1,0 +1,123 @@
+"""The docs run: code blocks of docs/*.md, docstring examples of cadence, and `mkdocs build --strict`.
+
+Convention for docs pages: every ```python block runs, in order, in one
+namespace per page, in a temporary working directory. A block that is not
+meant to run (a fragment with `...`, a SLURM submission) is marked with an
+HTML comment `<!-- skip -->` on the line before its fence, or uses another
+fence (```text, ```bash, ```toml).
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import io
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cadence
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+FENCE = re.compile(r"(?P<skip><!--\s*skip\s*-->\s*\n)?^```python[^\n]*\n(?P<code>.*?)^```\s*$", re.S | re.M)
+MODULES = sorted(m.name for m in pkgutil.walk_packages(cadence.__path__, "cadence."))
+
+
+def python_blocks(text: str) -> list[tuple[int, str, bool]]:
+    """(line, code, skipped) for each ```python block of a page."""
+    return [
+        (text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("skip") is not None)
+        for m in FENCE.finditer(text)
+    ]
+
+
+def test_blocks_are_found_and_skip_markers_are_honoured():
+    text = "a\n```python\nx = 1\n```\n<!-- skip -->\n```python\nraise SystemExit\n```\n```text\ny\n```\n"
+    assert python_blocks(text) == [(3, "x = 1\n", False), (7, "raise SystemExit\n", True)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_docs_code_blocks_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    for line, code, skipped in python_blocks(page.read_text()):
+        if skipped:
+            continue
+        try:
+            # dont_inherit: this file's `from __future__ import annotations` must not leak into the page's code.
+            exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec", dont_inherit=True), namespace)
+        except Exception as exc:
+            raise AssertionError(
+                f"docs/{page.name}, the python block at line {line} failed: {type(exc).__name__}: {exc}. "
+                "Fix the example, or mark a block that is not meant to run with <!-- skip --> before its fence."
+            ) from exc
+
+
+def test_the_concepts_diagram_draws_every_event():
+    text = (DOCS / "concepts.md").read_text()
+    diagram = re.search(r"```mermaid\n(.*?)```", text, re.S)
+    assert diagram, "docs/concepts.md has no mermaid diagram of the loop"
+    missing = [event.value for event in cadence.Event if event.value not in diagram.group(1)]
+    assert not missing, f"events missing from the loop diagram: {missing}"
+
+
+def test_getting_started_shows_the_readme_commands():
+    readme = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)[:2]
+    index = (DOCS / "index.md").read_text()
+    assert len(readme) == 2 and all(command in index for command in readme)
+
+
+def test_every_page_of_the_nav_exists_and_every_page_is_in_the_nav():
+    nav = re.findall(r":\s*([\w-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    missing = [name for name in nav if not (DOCS / name).exists()]
+    assert not missing, f"mkdocs.yml lists pages that do not exist: {missing}"
+    assert sorted(nav) == sorted(p.name for p in PAGES), "a docs page is not in the nav of mkdocs.yml"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module", MODULES)
+def test_docstring_examples_run(module, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    imported = importlib.import_module(module)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    out = io.StringIO()
+    for test in doctest.DocTestFinder(exclude_empty=True).find(imported, module):
+        runner.run(test, out=out.write)
+    assert runner.failures == 0, f"docstring examples of {module} failed:\n{out.getvalue()}"
+
+
+def test_docstring_examples_are_collected():
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    found = {
+        test.name for test in finder.find(importlib.import_module("cadence.engine.engine"), "cadence.engine.engine")
+    }
+    assert "cadence.engine.engine.Engine" in found
+
+
+@pytest.mark.timeout(600)
+def test_mkdocs_build_strict(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    site = tmp_path / "site"
+    command = ["mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(site)]
+    result = subprocess.run(
+        [sys.executable, "-m", *command],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    assert (site / "concepts" / "index.html").exists()
+    api = (site / "api" / "index.html").read_text()
+    assert 'id="cadence.Engine"' in api and "check_callback" in api  # mkdocstrings rendered the docstrings
+    assert 'class="mermaid"' in (site / "concepts" / "index.html").read_text()
