@@ -138,7 +138,11 @@ def run_worker(kind: str, workload: str, callbacks: int = 0) -> dict:
 
 
 def import_time(repeats: int) -> float:
-    code = "import time; import torch; t = time.perf_counter(); import cadence; print(time.perf_counter() - t)"
+    # cadence/__init__ is lazy: touch the engine so its modules really load.
+    code = (
+        "import time; import torch; t = time.perf_counter(); import cadence; cadence.Engine; "
+        "print(time.perf_counter() - t)"
+    )
     times = [
         float(
             subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120).stdout

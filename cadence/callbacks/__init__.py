@@ -28,4 +28,4 @@ def __dir__() -> list[str]:
     return sorted(_CLASSES)
 
 
-__all__ = sorted(_CLASSES)  # noqa: PLE0605
+__all__ = sorted(_CLASSES)

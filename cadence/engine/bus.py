@@ -50,8 +50,12 @@ def callback_order(callback: Any) -> int:
 # The engine counter that `every=` / `once=` read for each event (1-based):
 # step events count steps, epoch events count epochs, the rest count calls.
 _STEP_IN_PROGRESS = {
-    Event.ON_STEP_START, Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD,
-    Event.ON_BEFORE_OPTIMIZER_STEP, Event.ON_OPTIMIZER_STEP,
+    Event.ON_STEP_START,
+    Event.ON_BATCH,
+    Event.ON_FORWARD,
+    Event.ON_BACKWARD,
+    Event.ON_BEFORE_OPTIMIZER_STEP,
+    Event.ON_OPTIMIZER_STEP,
 }
 _STEP_DONE = {Event.ON_STEP_END, Event.ON_LOG}
 
@@ -145,7 +149,9 @@ class EventBus:
 
     def add(self, callback: Any) -> Handle:
         if isinstance(callback, type):
-            raise TypeError(f"register an instance, not the class {callback.__qualname__}; did you mean {callback.__qualname__}()?")
+            raise TypeError(
+                f"register an instance, not the class {callback.__qualname__}; did you mean {callback.__qualname__}()?"
+            )
         key = callback_key(callback)
         callback_order(callback)
         for existing, _ in self._entries:
@@ -240,7 +246,7 @@ class EventBus:
         for hook in self._plain_table[event]:
             try:
                 hook(self._engine)
-            except Exception as exc:  # noqa: PERF203 - each hook must run
+            except Exception as exc:
                 errors.append(HookError(_owner(hook), event, exc, self._engine.state.step))
         return errors
 
@@ -320,7 +326,7 @@ def _find_cycle(edges: dict[str, set[str]], nodes: set[str]) -> list[str]:
         seen[node] = len(path)
         path.append(node)
         node = preds[node][0]
-    cycle = path[seen[node]:]
+    cycle = path[seen[node] :]
     cycle.reverse()
     return [*cycle, cycle[0]]
 

@@ -6,7 +6,6 @@ import contextlib
 import itertools
 import logging
 import math
-import secrets
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -15,7 +14,7 @@ import attrs
 import torch
 
 from cadence.engine import config as config_module
-from cadence.engine import registry
+from cadence.engine import registry, rundir
 from cadence.engine.backend import Backend, batch_size, restore_training_mode
 from cadence.engine.bus import EventBus, Handle
 from cadence.engine.control import Requests
@@ -44,6 +43,7 @@ class EngineConfig:
         device: cpu, cuda, cuda:1, mps; None picks the backend's default.
         backend: backend name (auto, local, ddp, ...); auto picks ddp when WORLD_SIZE > 1.
         seed: seeds python, numpy and torch (plus the rank) and data shuffling; None draws one and records it.
+        deterministic: deterministic torch kernels and cuBLAS workspace (slower on GPU; see docs/run-directory.md).
         workspace: root folder of run directories (`workspace/lineage[-code_id]/run_id/`).
         lineage: name grouping the runs of one experiment.
         run_id: the run's folder name; None derives a stable one from the config.
@@ -56,15 +56,18 @@ class EngineConfig:
     epochs: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
     grad_accum: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     eval_every_epochs: int | None = attrs.field(default=1, validator=attrs.validators.optional(attrs.validators.ge(1)))
-    eval_every_steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    eval_every_steps: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
     log_interval: int = attrs.field(default=50, validator=attrs.validators.ge(1))
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: str | None = None
     backend: str = "auto"
     seed: int | None = None
+    deterministic: bool = False
     workspace: str = "runs"
-    lineage: str = "default"
-    run_id: str | None = None
+    lineage: str = attrs.field(default="default", validator=rundir.folder_name)
+    run_id: str | None = attrs.field(default=None, validator=attrs.validators.optional(rundir.folder_name))
     train: DataConfig = attrs.field(factory=DataConfig)
     eval: DataConfig = attrs.field(factory=DataConfig)
     predict: DataConfig = attrs.field(factory=DataConfig)
@@ -158,11 +161,17 @@ class Engine:
         self._train_position_restored = False
         self._active_metrics = self.metrics
         self._run_dir: Path | None = None
+        self._run_info: rundir.RunInfo | None = None
         self.long_operation_name: str | None = None
+        self.fit_target: tuple[float, float] = (math.inf, math.inf)
+        self.restored_from: str | None = None  # the checkpoint the state was last restored from
+        if self.config.deterministic:  # before the backend touches CUDA
+            rundir.enable_determinism()
         self.backend = _make_backend(backend if backend is not None else self.config.backend, self.config)
         self.backend.setup(self)
-        if self.config.seed is None:
-            seed = self.backend.broadcast_object(secrets.randbelow(2**31))
+        self._seed_given = self.config.seed  # a drawn seed is not part of the run's identity
+        if self.config.seed is None:  # a retry reuses the seed its run directory recorded
+            seed = self.backend.broadcast_object(rundir.draw_seed(self))
             self.config = attrs.evolve(self.config, seed=seed)
         self.seed: int = self.config.seed  # type: ignore[assignment]
         seed_everything(self.seed + self.backend.rank)
@@ -176,7 +185,8 @@ class Engine:
                 self.data[split] = self._data_source(data, data_config, split)
         for callback in callbacks:
             self.add_callback(callback)
-        if self.schedulers:
+        # An LRScheduler() the user registered already steps engine.schedulers.
+        if self.schedulers and not any(getattr(c, "steps_engine_schedulers", False) for c in self.callbacks):
             self.add_callback(registry.callbacks.resolve("lr_scheduler")())
 
     # -- callbacks --------------------------------------------------------
@@ -227,12 +237,25 @@ class Engine:
 
     @property
     def run_dir(self) -> Path:
-        """This run's directory, `workspace/lineage[-code_id]/run_id/` (see docs/run-directory.md)."""
-        if self._run_dir is None:
-            from cadence.engine.rundir import resolve_run_dir
+        """This run's directory, `workspace/lineage[-code_id]/run_id/` (see docs/run-directory.md).
 
-            self._run_dir = resolve_run_dir(self)
+        The first access creates it and, on the main process, writes `metadata/`.
+        """
+        if self._run_dir is None:
+            self._run_dir = rundir.open_run_dir(self)
         return self._run_dir
+
+    @property
+    def run_info(self) -> rundir.RunInfo:
+        """The run's ids (run_id, config_id, code_id), git state and attempt timestamp; writes nothing."""
+        if self._run_info is None:
+            self._run_info = rundir.resolve_run(self)
+        return self._run_info
+
+    @property
+    def attempt_timestamp(self) -> str:
+        """This attempt's start (`YYYYmmdd-HHMMSS`): names `logs/{timestamp}.log` and `tensorboard/{timestamp}/`."""
+        return self.run_info.timestamp
 
     @contextlib.contextmanager
     def long_operation(self, name: str) -> Iterator[None]:
@@ -284,8 +307,11 @@ class Engine:
         targets, so a resumed run finishes where it would have). Re-entrant:
         `fit(steps=100)` twice trains 200 steps.
         """
-        stop_step, stop_epoch = self._budget(steps, epochs)
-        with self._run():
+        self._check_budget(steps, epochs)
+        with self._run():  # on_setup may restore a checkpoint: targets count from there
+            stop_step, stop_epoch = self._budget(steps, epochs)
+            # Absolute (step, epoch) this fit trains to (inf: unbounded); progress bars read it.
+            self.fit_target = (stop_step, stop_epoch)
             self._fit(stop_step, stop_epoch)
 
     def _fit(self, stop_step: float, stop_epoch: float) -> None:
@@ -372,7 +398,9 @@ class Engine:
         # The data cannot restore its position itself: replay the epoch to it.
         logger.warning(
             "train data (%s) has no saved position; replaying %d batches of epoch %d to reach it",
-            type(source.loader).__name__, state.batch_in_epoch, state.epoch,
+            type(source.loader).__name__,
+            state.batch_in_epoch,
+            state.epoch,
         )
         iterator = source.epoch_iter(state.epoch, fresh=True)
         for _ in range(state.batch_in_epoch):
@@ -403,7 +431,11 @@ class Engine:
         self.fire(Event.ON_EPOCH_END)
         # Requests raised at epoch end (early stopping after evaluation) are
         # agreed here so the stop happens before another epoch starts.
+        stop = self.requests.index["stop"]
+        stopping = self.requests.agreed[stop]
         self.backend.agree(self.requests)
+        if stopping:  # a stop agreed at the epoch's last step still holds
+            self.requests.agreed[stop] = max(stopping, self.requests.agreed[stop])
 
     def _log_metrics(self) -> None:
         if self.metrics:
@@ -521,17 +553,19 @@ class Engine:
 
     # -- plumbing -------------------------------------------------------------
 
-    def _budget(self, steps: int | None, epochs: int | None) -> tuple[float, float]:
+    def _check_budget(self, steps: int | None, epochs: int | None) -> None:
         for name, value in (("steps", steps), ("epochs", epochs)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"fit({name}=...) must be an int >= 0, got {value!r}")
+        if steps is None and epochs is None and self.config.steps is None and self.config.epochs is None:
+            raise ValueError("nothing to fit: pass fit(steps=...) or fit(epochs=...), or set config steps / epochs")
+
+    def _budget(self, steps: int | None, epochs: int | None) -> tuple[float, float]:
         if steps is not None or epochs is not None:
             return (
                 self.state.step + steps if steps is not None else math.inf,
                 self.state.epoch + epochs if epochs is not None else math.inf,
             )
-        if self.config.steps is None and self.config.epochs is None:
-            raise ValueError("nothing to fit: pass fit(steps=...) or fit(epochs=...), or set config steps / epochs")
         return (
             self.config.steps if self.config.steps is not None else math.inf,
             self.config.epochs if self.config.epochs is not None else math.inf,
@@ -542,8 +576,12 @@ class Engine:
             config = attrs.evolve(config, shuffle=True)
         device = self.backend.device
         return DataSource(
-            data, config, split=split, seed=self.seed,
-            data_rank=self.backend.data_rank, data_size=self.backend.data_size,
+            data,
+            config,
+            split=split,
+            seed=self.seed,
+            data_rank=self.backend.data_rank,
+            data_size=self.backend.data_size,
             pin_memory_device=device.type if device.type != "cpu" else "",
         )
 
@@ -560,6 +598,27 @@ class Engine:
         if split not in self.data:
             raise ValueError(f"no {split} data: pass {split}_data to Engine(...) or data to this call")
         return self.data[split]
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, *args: Any, strict: bool = True, **kwargs: Any) -> Engine:
+        """Build `Engine(*args, **kwargs)` and restore the full state saved at `path`.
+
+        `path` is a checkpoint (`.../checkpoints/latest`) or a checkpoint folder
+        (its `latest` is used). Fires `on_load`; a `Checkpoint` callback among
+        the callbacks then skips its own launch modes. See docs/checkpoints.md.
+
+        Example:
+            >>> engine = cadence.Engine.from_checkpoint("runs/x/checkpoints/latest", model, opt, data)  # doctest: +SKIP
+        """
+        from cadence.engine.checkpoint import load_checkpoint
+
+        engine = cls(*args, **kwargs)
+        try:
+            load_checkpoint(engine, path, strict=strict)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
 
     def state_dict(self) -> dict[str, Any]:
         """The engine's counters (with the last loss as a float)."""
