@@ -1,0 +1,326 @@
+"""Checkpoints as folders of plain files, committed atomically (one process and DDP).
+
+Layout of one checkpoint, e.g. `checkpoints/latest/`::
+
+    model.bin        raw bytes of the model's tensors, back to back
+    optimizers.bin   ... of the optimizer state
+    state.bin        ... of every other tensor (RNG, callback states such as EMA's average)
+    payload.pt       everything else: the structure, with each tensor's file/offset/dtype/shape
+    manifest.json    written last: step, epoch, and every file's size and checksum
+
+A write goes to `.tmp-<name>.<pid>.<token>/` in the same folder; every file
+and the folder are fsynced, then the folder takes the name in one atomic
+step (`renameat2(RENAME_EXCHANGE)` on Linux when the name exists, a plain
+rename otherwise) and the old one is removed. `best` and history snapshots
+are folders of hard links to the files (copies where links fail). Reads check
+sizes first (truncation), then checksums as they read, and load
+`payload.pt` with `torch.load(weights_only=True)`. The byte-level work is in
+`cadence.backends.file_io`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import secrets
+import shutil
+import time
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cadence.backends import file_io
+from cadence.engine.checkpoint import FORMAT, CheckpointError, CheckpointStore
+
+MANIFEST = "manifest.json"
+PAYLOAD = "payload.pt"
+TEMP_PREFIXES = (".tmp-", ".old-", ".trash-")
+
+
+class FileStore(CheckpointStore):
+    """Checkpoint folders on a local or shared filesystem (see the module docstring).
+
+    Args:
+        directory: the folder of checkpoints (or set it later with `at`).
+        durable: fsync files and folders before a commit counts (turn off only for scratch data).
+        weights_only: load `payload.pt` with torch's safe unpickler; set False only for
+            checkpoints you trust whose callback states hold arbitrary Python objects.
+
+    Example:
+        >>> store = FileStore("/tmp/ckpts")                        # doctest: +SKIP
+        >>> store.write("latest", {"model": model.state_dict()})   # doctest: +SKIP
+        >>> store.read("latest")["model"]                          # doctest: +SKIP
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str] | None = None, *, durable: bool = True, weights_only: bool = True
+    ) -> None:
+        super().__init__(directory)
+        self.durable, self.weights_only = durable, weights_only
+        self._reaper = file_io.Reaper()  # shared by the copies `at()` makes
+
+    def _folder(self) -> Path:
+        if self.directory is None:
+            raise ValueError("FileStore has no directory: use FileStore(directory) or store.at(directory)")
+        return self.directory
+
+    # -- writing ------------------------------------------------------------------------
+
+    def write(self, name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+        file_io.check_name(name)
+        final = self.path(name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            tree, table, groups = file_io.split(payload)
+            files = {}
+            for file, tensors in groups.items():
+                files[file] = file_io.write_tensors(tmp / file, tensors, self.durable)
+            buffer = io.BytesIO()
+            torch.save({"tree": tree, "tensors": table}, buffer)
+            files[PAYLOAD] = file_io.write_bytes(tmp / PAYLOAD, buffer.getbuffer(), self.durable)
+            meta: Mapping[str, Any] = payload["meta"] if isinstance(payload.get("meta"), Mapping) else {}
+            manifest = {
+                "format": FORMAT,
+                "version": payload.get("version", 1),
+                "step": meta.get("step"),
+                "epoch": meta.get("epoch"),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "files": {
+                    file: {"size": size, "checksum": f"{value:08x}", "algorithm": _ALGORITHMS[file == PAYLOAD]}
+                    for file, (size, value) in files.items()
+                },
+            }
+            manifest["manifest_crc32"] = file_io.manifest_crc(manifest)
+            file_io.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), self.durable)
+            if self.durable:
+                file_io.fsync_dir(tmp)
+            self._commit(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return manifest
+
+    def link(self, src: str, dst: str) -> None:
+        file_io.check_name(dst)
+        source, final = self.path(src), self.path(dst)
+        self.manifest(src)  # only a complete checkpoint gets another name
+        tmp = final.parent / f".tmp-{dst}.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            for entry in sorted(os.scandir(source), key=lambda e: e.name == MANIFEST):  # manifest last
+                try:
+                    os.link(entry.path, tmp / entry.name)
+                except OSError:  # no hard links here (another filesystem, FAT, some network mounts)
+                    shutil.copyfile(entry.path, tmp / entry.name)
+                    if self.durable:
+                        file_io.fsync_file(tmp / entry.name)
+            if self.durable:
+                file_io.fsync_dir(tmp)
+            self._commit(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        """Give `tmp` the name `final` in one step; the previous `final` is removed after."""
+        old: Path | None = None
+        if not final.exists():
+            os.rename(tmp, final)
+        elif file_io.exchange(tmp, final):
+            old = tmp  # the exchange left the previous checkpoint at the temporary name
+        else:  # no atomic exchange here: move the old one aside first (sweep() repairs a crash in between)
+            old = final.parent / f".old-{final.name}.{os.getpid()}.{secrets.token_hex(4)}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+        if self.durable:
+            file_io.fsync_dir(final.parent)
+        if old is not None:  # committed: the superseded copy goes in the background
+            self._reaper.remove(old)
+
+    def delete(self, name: str) -> None:
+        target = self.path(name)
+        trash = target.parent / f".trash-{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        os.rename(target, trash)  # invisible at once; the files go after
+        if self.durable:
+            file_io.fsync_dir(target.parent)
+        self._reaper.remove(trash)
+
+    def wait(self) -> None:
+        """Wait until superseded and deleted checkpoints are removed from the disk."""
+        self._reaper.wait()
+
+    def sweep(self) -> list[str]:
+        directory = self._folder()
+        if not directory.is_dir():
+            return []
+        removed = []
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            if not entry.name.startswith(TEMP_PREFIXES) or not entry.is_dir():
+                continue
+            prefix, _, rest = entry.name[1:].partition("-")
+            name, _, owner = rest.partition(".")
+            pid = owner.partition(".")[0]
+            if pid.isdigit() and int(pid) != os.getpid() and file_io.alive(int(pid)):
+                continue  # another live process is writing it
+            if prefix == "old" and not (directory / name).exists() and (Path(entry.path) / MANIFEST).exists():
+                os.rename(entry.path, directory / name)  # a commit without exchange died between its renames
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+        return removed
+
+    # -- reading ------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        directory = self._folder()
+        if not directory.is_dir():
+            return []
+        return sorted(
+            e.name
+            for e in os.scandir(directory)
+            if not e.name.startswith(".") and e.is_dir() and os.path.exists(os.path.join(e.path, MANIFEST))
+        )
+
+    def exists(self, name: str) -> bool:
+        return (self.path(name) / MANIFEST).is_file()
+
+    def locate(self, path: str | os.PathLike[str]) -> tuple[FileStore, str]:
+        p = Path(path).expanduser().absolute()
+        if not p.exists():
+            raise CheckpointError("no such file or folder; check the path", path=p)
+        if p.is_dir() and (p / MANIFEST).exists():
+            return self.at(p.parent), p.name  # type: ignore[return-value]
+        if p.is_dir() and (p / "latest").is_dir():
+            return self.at(p), "latest"  # type: ignore[return-value]
+        if p.is_dir() and any(f.name == PAYLOAD or f.name.endswith(".bin") for f in p.iterdir()):
+            raise CheckpointError(_NO_MANIFEST, path=p)
+        raise CheckpointError(
+            "not a checkpoint: expected a checkpoint folder (with manifest.json) or a folder holding 'latest'", path=p
+        )
+
+    def manifest(self, name: str) -> dict[str, Any]:
+        folder = self.path(name)
+        if not folder.is_dir():
+            known = ", ".join(self.names()) or "none"
+            raise CheckpointError(f"no checkpoint named {name!r} in {folder.parent} (there: {known})", path=folder)
+        try:
+            text = (folder / MANIFEST).read_text()
+        except FileNotFoundError:
+            raise CheckpointError(_NO_MANIFEST, path=folder) from None
+        try:
+            manifest = json.loads(text)
+            ok = (
+                isinstance(manifest, dict)
+                and manifest.get("format") == FORMAT
+                and isinstance(manifest.get("files"), dict)
+            )
+        except ValueError:
+            ok, manifest = False, None
+        if not ok:
+            raise CheckpointError(
+                "manifest.json is unreadable or not a cadence manifest: the file is damaged", path=folder
+            )
+        if manifest.get("manifest_crc32") != file_io.manifest_crc(manifest):
+            raise CheckpointError(
+                "manifest.json fails its own checksum: the file is damaged (its step cannot be trusted)", path=folder
+            )
+        return manifest
+
+    def verify(self, name: str) -> dict[str, Any]:
+        manifest, folder, _, table = self._skeleton(name)
+        self._check_sizes(folder, manifest, manifest["files"])
+        for file in manifest["files"]:
+            if file != PAYLOAD:
+                self._read_file(folder, manifest, table, file, None)
+        return manifest
+
+    def read(self, name: str, keys: Iterable[str] | None = None) -> dict[str, Any]:
+        manifest, folder, tree, table = self._skeleton(name)
+        if keys is not None:
+            wanted = set(keys) | {"format", "version", "meta"}
+            tree = {k: v for k, v in tree.items() if k in wanted}
+        needed = sorted(set(file_io.placeholders(tree)))
+        tensors: dict[int, torch.Tensor] = {}
+        files = sorted({table[i][0] for i in needed})
+        unlisted = [file for file in files if file not in manifest["files"]]
+        if unlisted:
+            raise CheckpointError(
+                f"{unlisted} are referenced but not in the manifest", path=folder, step=manifest["step"]
+            )
+        self._check_sizes(folder, manifest, {file: manifest["files"][file] for file in files})  # before any read
+        for file in files:
+            self._read_file(folder, manifest, table, file, tensors)
+        return file_io.rebuild(tree, tensors)
+
+    def _skeleton(self, name: str) -> tuple[dict[str, Any], Path, Any, list[Any]]:
+        """The manifest, the folder, and the verified structure and tensor table of `payload.pt`."""
+        manifest = self.manifest(name)
+        folder, step = self.path(name), manifest.get("step")
+        if PAYLOAD not in manifest["files"]:
+            raise CheckpointError(
+                f"the manifest lists no {PAYLOAD}: not a checkpoint of this format", path=folder, step=step
+            )
+        self._check_sizes(folder, manifest, {PAYLOAD: manifest["files"][PAYLOAD]})
+        data = (folder / PAYLOAD).read_bytes()
+        self._check_checksum(folder, manifest, PAYLOAD, zlib.crc32(data))
+        try:
+            skeleton = torch.load(io.BytesIO(data), weights_only=self.weights_only, map_location="cpu")
+        except Exception as exc:
+            hint = "; if you trust this file, load it with FileStore(weights_only=False)" if self.weights_only else ""
+            raise CheckpointError(f"cannot unpickle {PAYLOAD}: {exc}{hint}", path=folder, step=step) from exc
+        return manifest, folder, skeleton["tree"], skeleton["tensors"]
+
+    def _read_file(
+        self, folder: Path, manifest: dict[str, Any], table: list[Any], file: str, out: dict[int, torch.Tensor] | None
+    ) -> None:
+        """Read one tensor file into `out` (None: only check it) and compare its checksum."""
+        entries = sorted((i for i, entry in enumerate(table) if entry[0] == file), key=lambda i: table[i][1])
+        value = file_io.read_tensors(folder / file, [(i, *table[i][1:]) for i in entries], out)
+        self._check_checksum(folder, manifest, file, value)
+
+    def _check_sizes(self, folder: Path, manifest: dict[str, Any], files: Mapping[str, Any]) -> None:
+        for file, expected in files.items():
+            try:
+                size = os.stat(folder / file).st_size
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"{file} is missing (the manifest lists it)", path=folder, step=manifest.get("step")
+                ) from None
+            if size != expected["size"]:
+                raise CheckpointError(
+                    f"{file} is {size} bytes, the manifest says {expected['size']}: the file is "
+                    f"{'truncated' if size < expected['size'] else 'damaged'}; use another checkpoint",
+                    path=folder,
+                    step=manifest.get("step"),
+                )
+
+    def _check_checksum(self, folder: Path, manifest: dict[str, Any], file: str, value: int) -> None:
+        entry = manifest["files"][file]
+        algorithm = _ALGORITHMS.get(file == PAYLOAD)
+        if entry.get("algorithm") != algorithm:
+            raise CheckpointError(
+                f"{file}: checksum algorithm {entry.get('algorithm')!r} is not {algorithm!r} (written by another "
+                "cadence version?)",
+                path=folder,
+                step=manifest.get("step"),
+            )
+        if f"{value:08x}" != entry["checksum"]:
+            raise CheckpointError(
+                f"{file}: checksum mismatch (computed {value:08x}, the manifest says {entry['checksum']}): the file "
+                "is corrupted; use another checkpoint",
+                path=folder,
+                step=manifest.get("step"),
+            )
+
+
+_ALGORITHMS = {True: "crc32", False: file_io.TensorChecksum.ALGORITHM}
+_NO_MANIFEST = (
+    "not a complete checkpoint: manifest.json is missing (an interrupted write or a damaged copy); "
+    "it is never loaded; use another checkpoint"
+)
