@@ -205,5 +205,5 @@ def test_interrupted_rank_zero_is_reported_not_a_missing_file():
         if os.environ["RANK"] == "0":
             raise KeyboardInterrupt  # torch's worker wrapper exits 0 on it
 
-    with pytest.raises(WorkerError, match="rank 0 of 2 failed: builtins.KeyboardInterrupt"):
+    with pytest.raises(WorkerError, match=r"rank 0 of 2 failed: builtins\.KeyboardInterrupt"):
         launch(interrupted, nprocs=2, start_method="fork", timeout=30)

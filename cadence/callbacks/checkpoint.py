@@ -125,7 +125,7 @@ class Checkpoint(Callback):
     order = Order.CHECKPOINT
 
     def __init__(self, config: CheckpointConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = _configure(config, kwargs)
+        self.config = config_module.configure(CheckpointConfig, config, kwargs, "checkpoint")
         self.best_score: float | None = None
         self.best_step: int | None = None
         self.store: CheckpointStore = None  # type: ignore[assignment]  # set in on_setup
@@ -450,13 +450,3 @@ def _ema_for_best(engine: Engine) -> Any:
         if getattr(callback, "best_with_ema", False) and callable(getattr(callback, "swapped", None)):
             return callback
     return None
-
-
-def _configure(config: Any, kwargs: dict[str, Any]) -> CheckpointConfig:
-    if isinstance(config, CheckpointConfig):
-        if kwargs:
-            raise TypeError(f"checkpoint: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
-        return config
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"checkpoint: config must be a CheckpointConfig or a mapping, got {type(config).__name__}")
-    return config_module.structure(CheckpointConfig, {**(config or {}), **kwargs}, path="checkpoint")

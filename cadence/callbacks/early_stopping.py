@@ -69,7 +69,7 @@ class EarlyStopping(Callback):
     order = Order.EARLY_STOPPING
 
     def __init__(self, config: EarlyStoppingConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = _configure(EarlyStoppingConfig, config, kwargs, "early_stopping")
+        self.config = config_module.configure(EarlyStoppingConfig, config, kwargs, "early_stopping")
         self.best: float | None = None
         self.wait = 0
         self.evaluations = 0
@@ -142,14 +142,3 @@ class EarlyStopping(Callback):
         self.wait = int(state["wait"])
         self.evaluations = int(state["evaluations"])
         self.stopped_at = state.get("stopped_at")
-
-
-def _configure(cls: type, config: Any, kwargs: dict[str, Any], path: str) -> Any:
-    """The callback's config from an instance, a mapping, or keyword arguments."""
-    if isinstance(config, cls):
-        if kwargs:
-            raise TypeError(f"{path}: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
-        return config
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"{path}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
-    return config_module.structure(cls, {**(config or {}), **kwargs}, path=path)

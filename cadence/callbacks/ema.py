@@ -72,7 +72,7 @@ class EMA(Callback):
     restore_with_model: ClassVar[bool] = True
 
     def __init__(self, config: EMAConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = _configure(EMAConfig, config, kwargs, "ema")
+        self.config = config_module.configure(EMAConfig, config, kwargs, "ema")
         self.names: list[str] = []
         self.shadow: list[torch.Tensor] = []
         self.started = False
@@ -198,14 +198,3 @@ class EMA(Callback):
             self._load(shadow)
         else:  # not bound to the model yet: build when it is
             self._pending = dict(shadow)
-
-
-def _configure(cls: type, config: Any, kwargs: dict[str, Any], path: str) -> Any:
-    """The callback's config from an instance, a mapping, or keyword arguments."""
-    if isinstance(config, cls):
-        if kwargs:
-            raise TypeError(f"{path}: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
-        return config
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"{path}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
-    return config_module.structure(cls, {**(config or {}), **kwargs}, path=path)

@@ -62,7 +62,7 @@ class GarbageCollection(Callback):
     order = Order.GC
 
     def __init__(self, config: GarbageCollectionConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = _configure(GarbageCollectionConfig, config, kwargs, "garbage_collection")
+        self.config = config_module.configure(GarbageCollectionConfig, config, kwargs, "garbage_collection")
         self._was_enabled: bool | None = None
         #: Seconds spent in the scheduled collections of the last fit.
         self.seconds = 0.0
@@ -93,14 +93,3 @@ class GarbageCollection(Callback):
         if self._was_enabled:
             gc.enable()
         self._was_enabled = None
-
-
-def _configure(cls: type, config: Any, kwargs: dict[str, Any], path: str) -> Any:
-    """The callback's config from an instance, a mapping, or keyword arguments."""
-    if isinstance(config, cls):
-        if kwargs:
-            raise TypeError(f"{path}: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
-        return config
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"{path}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
-    return config_module.structure(cls, {**(config or {}), **kwargs}, path=path)

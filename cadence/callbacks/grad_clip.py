@@ -64,7 +64,7 @@ class GradClip(Callback):
     def __init__(self, config: GradClipConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         if isinstance(kwargs.get("norm_type"), str):
             kwargs["norm_type"] = float(kwargs["norm_type"])  # "inf"
-        self.config = _configure(GradClipConfig, config, kwargs, "grad_clip")
+        self.config = config_module.configure(GradClipConfig, config, kwargs, "grad_clip")
 
     def on_before_optimizer_step(self, engine: Engine) -> None:
         config = self.config
@@ -74,14 +74,3 @@ class GradClip(Callback):
         # engine reduces logged metrics when that is a multiple of log_interval.
         if config.log and (engine.state.step + 1) % engine.config.log_interval == 0:
             engine.log("grad_norm", norm.detach(), reduce="max")
-
-
-def _configure(cls: type, config: Any, kwargs: dict[str, Any], path: str) -> Any:
-    """The callback's config from an instance, a mapping, or keyword arguments."""
-    if isinstance(config, cls):
-        if kwargs:
-            raise TypeError(f"{path}: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
-        return config
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"{path}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
-    return config_module.structure(cls, {**(config or {}), **kwargs}, path=path)

@@ -100,7 +100,7 @@ class Heartbeat(Callback):
     order = Order.HEARTBEAT
 
     def __init__(self, config: HeartbeatConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = _configure(HeartbeatConfig, config, kwargs, "heartbeat")
+        self.config = config_module.configure(HeartbeatConfig, config, kwargs, "heartbeat")
         #: The hot-path record: last event, its 1-based step, a counter of events.
         self.event = ""
         self.step = 0
@@ -326,14 +326,3 @@ class Heartbeat(Callback):
                 record["step"],
                 self.directory / f"stacks-rank-{rank}.txt",  # type: ignore[operator]
             )
-
-
-def _configure(cls: type, config: Any, kwargs: dict[str, Any], path: str) -> Any:
-    """The callback's config from an instance, a mapping, or keyword arguments."""
-    if isinstance(config, cls):
-        if kwargs:
-            raise TypeError(f"{path}: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
-        return config
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"{path}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
-    return config_module.structure(cls, {**(config or {}), **kwargs}, path=path)

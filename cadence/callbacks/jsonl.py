@@ -10,7 +10,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.callbacks.metrics import build_config, eval_split, is_main
+from cadence.callbacks.metrics import eval_split, is_main
+from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
 
@@ -61,7 +62,7 @@ class JSONL(Callback):
     order = Order.LOGGER
 
     def __init__(self, config: JSONLConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = build_config(JSONLConfig, config, kwargs, "JSONL")
+        self.config = config_module.configure(JSONLConfig, config, kwargs, "JSONL")
         self.path: Path | None = None
         self._file: IO[str] | None = None
         self._first_open = True  # a process restart: the file may hold a previous attempt's lines

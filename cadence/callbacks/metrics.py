@@ -98,7 +98,7 @@ class TrainMetrics(Callback):
     order = Order.METRICS
 
     def __init__(self, config: TrainMetricsConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = build_config(TrainMetricsConfig, config, kwargs, "TrainMetrics")
+        self.config = config_module.configure(TrainMetricsConfig, config, kwargs, "TrainMetrics")
         self._log_loss = self.config.loss
         self._interval = 1
         self._step_start = 0.0
@@ -231,21 +231,6 @@ def default_callbacks() -> list[Callback]:
 
 
 # -- helpers shared by the sinks -------------------------------------------------
-
-
-def build_config(cls: type[C], config: C | Mapping[str, Any] | None, kwargs: dict[str, Any], owner: str) -> C:
-    """A callback's config from `config=` (instance or mapping) or keyword arguments."""
-    if config is not None and kwargs:
-        raise TypeError(f"{owner}: pass config= or keyword arguments, not both (got config and {sorted(kwargs)})")
-    if isinstance(config, cls):
-        return config
-    if config is None:
-        data: Mapping[str, Any] = kwargs
-    elif isinstance(config, Mapping):
-        data = config
-    else:
-        raise TypeError(f"{owner}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
-    return config_module.structure(cls, dict(data), path=owner)
 
 
 def is_main(engine: Engine) -> bool:

@@ -101,7 +101,7 @@ class NonFiniteSkip(Callback):
     order = Order.NON_FINITE
 
     def __init__(self, config: NonFiniteSkipConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = _configure(NonFiniteSkipConfig, config, kwargs, "non_finite_skip")
+        self.config = config_module.configure(NonFiniteSkipConfig, config, kwargs, "non_finite_skip")
         self.consecutive = 0
         self.total = 0
         #: The last skip: its step, the rank that saw it first, and "loss" or "gradient".
@@ -199,14 +199,3 @@ class NonFiniteSkip(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive = int(state["consecutive"])
         self.total = int(state["total"])
-
-
-def _configure(cls: type, config: Any, kwargs: dict[str, Any], path: str) -> Any:
-    """The callback's config from an instance, a mapping, or keyword arguments."""
-    if isinstance(config, cls):
-        if kwargs:
-            raise TypeError(f"{path}: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
-        return config
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"{path}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
-    return config_module.structure(cls, {**(config or {}), **kwargs}, path=path)

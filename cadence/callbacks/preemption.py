@@ -86,7 +86,7 @@ class Preemption(Callback):
     order = Order.PREEMPTION
 
     def __init__(self, config: PreemptionConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = _configure(PreemptionConfig, config, kwargs, "preemption")
+        self.config = config_module.configure(PreemptionConfig, config, kwargs, "preemption")
         for name in self.config.signals or ():
             _signal_number(name)
         #: True once a preemption was agreed in the last fit.
@@ -224,14 +224,3 @@ def _is_checkpoint(callback: Any) -> bool:
     except ImportError:
         return False
     return isinstance(callback, checkpoint)
-
-
-def _configure(cls: type, config: Any, kwargs: dict[str, Any], path: str) -> Any:
-    """The callback's config from an instance, a mapping, or keyword arguments."""
-    if isinstance(config, cls):
-        if kwargs:
-            raise TypeError(f"{path}: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
-        return config
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"{path}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
-    return config_module.structure(cls, {**(config or {}), **kwargs}, path=path)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from cadence.callbacks.metrics import build_config
+from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
 from cadence.engine.order import Order
@@ -83,7 +83,7 @@ class Profiler(Callback):
     order = Order.PROFILER
 
     def __init__(self, config: ProfilerConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = build_config(ProfilerConfig, config, kwargs, "Profiler")
+        self.config = config_module.configure(ProfilerConfig, config, kwargs, "Profiler")
         self.profiler: Any = None
         self.trace_dir: Path | None = None
         self._engine: Engine | None = None

@@ -10,7 +10,8 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from cadence.callbacks.metrics import build_config, is_main
+from cadence.callbacks.metrics import is_main
+from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
 
@@ -78,7 +79,7 @@ class ProgressBar(Callback):
         stream: IO[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.config = build_config(ProgressBarConfig, config, kwargs, "ProgressBar")
+        self.config = config_module.configure(ProgressBarConfig, config, kwargs, "ProgressBar")
         self.stream = stream
         self.bar: Any = None  # the tqdm bar while one is open
         self._active = False

@@ -77,7 +77,7 @@ class LRScheduler(Callback):
         config: LRSchedulerConfig | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.config = _configure(LRSchedulerConfig, config, kwargs, "lr_scheduler")
+        self.config = config_module.configure(LRSchedulerConfig, config, kwargs, "lr_scheduler")
         self._own: list[Any] = _as_list(scheduler)
         #: True when this callback steps `engine.schedulers` (the engine then adds none).
         self.steps_engine_schedulers = not self._own
@@ -206,14 +206,3 @@ def _as_list(value: Any) -> list[Any]:
     if isinstance(value, Sequence):
         return list(value)
     return [value]
-
-
-def _configure(cls: type, config: Any, kwargs: dict[str, Any], path: str) -> Any:
-    """The callback's config from an instance, a mapping, or keyword arguments."""
-    if isinstance(config, cls):
-        if kwargs:
-            raise TypeError(f"{path}: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
-        return config
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"{path}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
-    return config_module.structure(cls, {**(config or {}), **kwargs}, path=path)

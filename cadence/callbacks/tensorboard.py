@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.callbacks.metrics import build_config, flat_config, is_main, timestamp
+from cadence.callbacks.metrics import flat_config, is_main, timestamp
+from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
 from cadence.engine.registry import require
@@ -64,7 +65,7 @@ class TensorBoard(Callback):
     order = Order.LOGGER
 
     def __init__(self, config: TensorBoardConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = build_config(TensorBoardConfig, config, kwargs, "TensorBoard")
+        self.config = config_module.configure(TensorBoardConfig, config, kwargs, "TensorBoard")
         require("tensorboard", "tensorboard")
         self.log_dir: Path | None = Path(self.config.log_dir) if self.config.log_dir else None
         self.writer: Any = None

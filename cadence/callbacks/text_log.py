@@ -9,7 +9,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.callbacks.metrics import build_config, eval_split, is_main, timestamp
+from cadence.callbacks.metrics import eval_split, is_main, timestamp
+from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
 
@@ -73,7 +74,7 @@ class TextLog(Callback):
     def __init__(
         self, config: TextLogConfig | Mapping[str, Any] | None = None, *, stream: IO[str] | None = None, **kwargs: Any
     ) -> None:
-        self.config = build_config(TextLogConfig, config, kwargs, "TextLog")
+        self.config = config_module.configure(TextLogConfig, config, kwargs, "TextLog")
         self.stream = stream
         self.path: Path | None = None
         self._handlers: list[logging.Handler] = []

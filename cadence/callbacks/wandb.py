@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from cadence.callbacks.metrics import build_config, is_main
+from cadence.callbacks.metrics import is_main
 from cadence.callbacks.tensorboard import tag
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
@@ -70,7 +70,7 @@ class WandB(Callback):
     order = Order.LOGGER
 
     def __init__(self, config: WandBConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = build_config(WandBConfig, config, kwargs, "WandB")
+        self.config = config_module.configure(WandBConfig, config, kwargs, "WandB")
         require("wandb", "wandb")
         self.run: Any = None
         self.run_id: str | None = None

@@ -30,6 +30,8 @@ ReduceOp = Literal["sum", "mean", "max", "min"]
 Domain = Literal["data", "optimizer"]
 
 _NULL = contextlib.nullcontext()
+#: The context backends return when there is nothing to enter; the loop skips it.
+NULL_CONTEXT = _NULL
 
 
 class Backend:
@@ -83,27 +85,38 @@ class Backend:
         schedule over all micro-batches at once.
         """
         last = len(micro_batches) - 1
-        fire = engine.fire
+        fire, hooks = engine.fire, engine.hooks_table
+        autocast = self.autocast()
         for i, batch in enumerate(micro_batches):
             engine.batch = self.to_device(batch)
-            fire(Event.ON_BATCH)
-            with self.no_sync(i < last):
-                with self.autocast():
-                    engine.outputs, engine.loss = engine.compute_loss(engine.batch)
-                fire(Event.ON_FORWARD)
+            hooks[Event.ON_BATCH] and fire(Event.ON_BATCH)
+            no_sync = self.no_sync(i < last)
+            if no_sync is _NULL and autocast is _NULL:
+                # fp32 and nothing to suspend: skip entering two empty contexts.
+                # On a tiny step every Python call between torch ops shows.
+                engine.outputs, engine.loss = engine.compute_loss(engine.batch)
+                hooks[Event.ON_FORWARD] and fire(Event.ON_FORWARD)
                 self.backward(engine.loss, last + 1)
-            fire(Event.ON_BACKWARD)
+            else:
+                with no_sync:
+                    with autocast:
+                        engine.outputs, engine.loss = engine.compute_loss(engine.batch)
+                    hooks[Event.ON_FORWARD] and fire(Event.ON_FORWARD)
+                    self.backward(engine.loss, last + 1)
+            hooks[Event.ON_BACKWARD] and fire(Event.ON_BACKWARD)
 
     def to_device(self, batch: Any) -> Any:
         """Move a batch (tensors in tuples, lists, dicts) to `device`."""
         return move_to(batch, self.device, non_blocking=self.device.type == "cuda")
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """Mixed-precision context for forward; a no-op in fp32."""
+        """Mixed-precision context for forward (entered once per micro-batch);
+        return `cadence.engine.backend.NULL_CONTEXT` when there is none."""
         return _NULL
 
     def no_sync(self, skip_sync: bool) -> contextlib.AbstractContextManager[Any]:
-        """Context in which gradients accumulate without being synchronized."""
+        """Context in which gradients accumulate without being synchronized;
+        `NULL_CONTEXT` when `skip_sync` is false or there is nothing to skip."""
         return _NULL
 
     def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
@@ -138,7 +151,8 @@ class Backend:
 
     def agree(self, requests: Requests) -> None:
         """Agree every pending control request across the optimizer domain (MAX)."""
-        requests.accept(requests.pending)
+        if requests.any_pending or requests.any_agreed:
+            requests.accept(requests.pending)
 
     def barrier(self, timeout: float | None = None) -> None:
         """Wait for every rank."""

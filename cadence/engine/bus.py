@@ -142,7 +142,7 @@ class EventBus:
         self._index = itertools.count()
         self.ordered: tuple[Any, ...] = ()
         self.table: dict[Event, tuple[Callable[[Engine], None], ...]] = {e: () for e in Event}
-        self._plain_table = self.table
+        self._plain_table = dict(self.table)
         self._instrument: Callable[[Event], Any] | None = None
 
     # -- registration -----------------------------------------------------
@@ -222,10 +222,12 @@ class EventBus:
 
     def _apply_instrument(self) -> None:
         make = self._instrument
+        # Updated in place: the loop holds this dict and tests `table[event]`
+        # before calling fire, so an event nobody listens to costs no call.
         if make is None:
-            self.table = self._plain_table
+            self.table.update(self._plain_table)
             return
-        self.table = {e: (_Instrumented(self, e, hooks, make),) for e, hooks in self._plain_table.items()}
+        self.table.update({e: (_Instrumented(self, e, hooks, make),) for e, hooks in self._plain_table.items()})
 
     # -- dispatch ---------------------------------------------------------
 
@@ -321,7 +323,9 @@ def _find_cycle(edges: dict[str, set[str]], nodes: set[str]) -> list[str]:
     # Every node left over by Kahn's algorithm has a predecessor that is left
     # over too, so walking predecessors must come back to a node seen before.
     preds = {n: sorted(k for k in nodes if n in edges[k]) for n in nodes}
-    node, seen, path = min(nodes), {}, []
+    node = min(nodes)
+    seen: dict[str, int] = {}
+    path: list[str] = []
     while node not in seen:
         seen[node] = len(path)
         path.append(node)

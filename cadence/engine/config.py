@@ -670,3 +670,27 @@ def _diff(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
         elif type(value) is not type(before) or (value != before and repr(value) != repr(before)):
             out[key] = value
     return out
+
+
+def configure(cls: type[T], config: Any, kwargs: Mapping[str, Any], path: str) -> T:
+    """A component's config from `config=` (an instance or a mapping) and keyword arguments.
+
+    Every built-in callback takes `Callback(config=...)` or `Callback(**fields)`;
+    a mapping and keyword arguments merge (keywords win), an instance must come
+    alone. Errors name `path` (the component) and the field.
+
+    Example:
+        >>> import attrs
+        >>> @attrs.define
+        ... class ClipConfig:
+        ...     max_norm: float = 1.0
+        >>> configure(ClipConfig, {"max_norm": 2}, {}, "grad_clip")
+        ClipConfig(max_norm=2.0)
+    """
+    if isinstance(config, cls):
+        if kwargs:
+            raise TypeError(f"{path}: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
+        return config
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(f"{path}: config must be a {cls.__name__} or a mapping, got {type(config).__name__}")
+    return structure(cls, {**(config or {}), **kwargs}, path=path)

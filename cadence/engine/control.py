@@ -27,6 +27,9 @@ class Requests:
         self.pending: list[int] = [0] * len(self.names)
         self.agreed: list[int] = [0] * len(self.names)
         self.any_pending = False
+        # Whether `agreed` holds a non-zero value: with nothing pending and
+        # nothing agreed, a single process has nothing to do at agreement.
+        self.any_agreed = False
         self.reasons: dict[str, str] = {}
 
     def register(self, name: str) -> int:
@@ -53,12 +56,14 @@ class Requests:
     def accept(self, agreed: list[int]) -> None:
         """Take the agreed values (from the backend) and clear what was pending."""
         self.agreed[:] = agreed
+        self.any_agreed = any(agreed)
         if self.any_pending:
             self.pending[:] = [0] * len(self.pending)
             self.any_pending = False
 
     def clear_agreed(self) -> None:
         self.agreed[:] = [0] * len(self.agreed)
+        self.any_agreed = False
 
     def get(self, name: str) -> int:
         return self.agreed[self.index[name]]

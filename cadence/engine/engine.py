@@ -55,7 +55,10 @@ class EngineConfig:
     steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
     epochs: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
     grad_accum: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    eval_every_epochs: int | None = attrs.field(default=1, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    eval_every_epochs: int | None = attrs.field(
+        default=1,
+        validator=attrs.validators.optional(attrs.validators.ge(1)),  # type: ignore[arg-type]
+    )
     eval_every_steps: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
@@ -154,6 +157,9 @@ class Engine:
         self.exception: BaseException | None = None
         self._bus = EventBus(self)
         self.fire = self._bus.fire
+        #: Event -> the hooks it calls (a stable dict, updated in place): test
+        #: `hooks_table[event]` before `fire(event)` on hot paths.
+        self.hooks_table = self._bus.table
         self._running = False
         self._setup_done = False
         self._epoch_iter: Iterator[Any] | None = None
@@ -226,7 +232,7 @@ class Engine:
 
     def hooks(self, event: Event | str) -> tuple[Callable[[Engine], None], ...]:
         """The bound hooks an event calls, in order."""
-        return self._bus.table[Event(event)]
+        return self._bus._plain_table[Event(event)]
 
     # -- the run ------------------------------------------------------------
 
@@ -316,6 +322,9 @@ class Engine:
 
     def _fit(self, stop_step: float, stop_epoch: float) -> None:
         state, fire, backend, requests = self.state, self.fire, self.backend, self.requests
+        # `hooks[event] and fire(event)`: an event nobody listens to costs a
+        # dict lookup, not a call (on a tiny step every call shows).
+        hooks = self.hooks_table
         skip, stop = requests.index["skip"], requests.index["stop"]
         log_interval, eval_every = self.config.log_interval, self.config.eval_every_steps
         requests.clear_agreed()
@@ -324,17 +333,17 @@ class Engine:
             if state.batch_in_epoch == 0:
                 fire(Event.ON_EPOCH_START)
             for micro_batches in self._steps_of_epoch():
-                fire(Event.ON_STEP_START)
+                hooks[Event.ON_STEP_START] and fire(Event.ON_STEP_START)
                 backend.forward_backward(self, micro_batches)  # on_batch, on_forward, on_backward
                 backend.finish_gradients(self)
-                fire(Event.ON_BEFORE_OPTIMIZER_STEP)
+                hooks[Event.ON_BEFORE_OPTIMIZER_STEP] and fire(Event.ON_BEFORE_OPTIMIZER_STEP)
                 backend.agree(requests)  # one small collective: skip / stop / save / ...
                 if not requests.agreed[skip]:
                     backend.optimizer_step(self)
-                    fire(Event.ON_OPTIMIZER_STEP)
+                    hooks[Event.ON_OPTIMIZER_STEP] and fire(Event.ON_OPTIMIZER_STEP)
                 backend.zero_grad(self)
                 self._count_step(micro_batches, skipped=requests.agreed[skip])
-                fire(Event.ON_STEP_END)
+                hooks[Event.ON_STEP_END] and fire(Event.ON_STEP_END)
                 if state.step % log_interval == 0:
                     self._log_metrics()
                 if eval_every and state.step % eval_every == 0 and "eval" in self.data:
@@ -436,6 +445,7 @@ class Engine:
         self.backend.agree(self.requests)
         if stopping:  # a stop agreed at the epoch's last step still holds
             self.requests.agreed[stop] = max(stopping, self.requests.agreed[stop])
+            self.requests.any_agreed = True
 
     def _log_metrics(self) -> None:
         if self.metrics:
@@ -536,7 +546,10 @@ class Engine:
             result = self.step_fn(model, batch)
             return result, _loss_of(result, "step_fn")
         if self.loss_fn is not None:
-            inputs, targets = _split_batch(batch)
+            if type(batch) is tuple and len(batch) == 2:
+                inputs, targets = batch
+            else:
+                inputs, targets = _split_batch(batch)
             outputs = model(inputs)
             return outputs, self.loss_fn(outputs, targets)
         outputs = model(batch)
@@ -684,6 +697,7 @@ def _split_batch(batch: Any) -> tuple[Any, Any]:
 
 
 def _loss_of(result: Any, where: str) -> torch.Tensor:
+    loss: Any
     if isinstance(result, torch.Tensor):
         loss = result
     elif isinstance(result, Mapping) and "loss" in result:

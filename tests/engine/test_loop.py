@@ -273,3 +273,34 @@ def test_bf16_autocast_on_cpu_and_fp16_needs_cuda():
 def test_unknown_backend_name_lists_known_ones():
     with pytest.raises(KeyError, match=r"unknown backend 'tpu'.*local"):
         engine_with(backend="tpu")
+
+
+def test_step_events_nobody_listens_to_cost_no_fire_call():
+    engine = engine_with(batches=4)
+    fired = []
+    plain_fire = engine.fire
+
+    def counting_fire(event):
+        fired.append(event.value)
+        plain_fire(event)
+
+    engine.fire = counting_fire
+    engine.fit(steps=3)
+    # Only the once-per-run events are fired; the per-step ones are skipped.
+    assert fired == ["on_setup", "on_fit_start", "on_epoch_start", "on_fit_end"]
+    engine.on(Event.ON_STEP_END)(lambda e: None)
+    fired.clear()
+    engine.fit(steps=2)
+    assert fired.count("on_step_end") == 2 and "on_step_start" not in fired
+
+
+def test_relative_fit_counts_from_the_restored_step(tmp_path):
+    from cadence.callbacks.checkpoint import Checkpoint
+
+    first = engine_with(batches=6)
+    first.add_callback(Checkpoint(dir=str(tmp_path / "ckpt")))
+    first.fit(steps=4)
+    resumed = engine_with(batches=6)
+    resumed.add_callback(Checkpoint(dir=str(tmp_path / "ckpt"), auto_resume=True))
+    resumed.fit(steps=3)  # restored at step 4 in on_setup, then 3 more
+    assert resumed.state.step == 7
