@@ -8,7 +8,6 @@ metrics. See docs/observability.md.
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Mapping
 from time import perf_counter
@@ -236,11 +235,6 @@ def default_callbacks() -> list[Callback]:
 def is_main(engine: Engine) -> bool:
     """True on the global main process, the one that writes logs."""
     return bool(engine.backend.is_main)
-
-
-def timestamp() -> str:
-    """A file-name-safe local timestamp, e.g. `20250101-120000`."""
-    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def eval_split(logged: Mapping[str, Any]) -> str:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.callbacks.metrics import flat_config, is_main, timestamp
+from cadence.callbacks.metrics import flat_config, is_main
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
@@ -110,7 +110,7 @@ class TensorBoard(Callback):
         from torch.utils.tensorboard import SummaryWriter
 
         if self.log_dir is None:
-            self.log_dir = engine.run_dir / "tensorboard" / timestamp()
+            self.log_dir = engine.run_dir / "tensorboard" / engine.attempt_timestamp
         start = self._start_step if self._start_step is not None else engine.state.step
         continuing = self.log_dir.exists() and any(self.log_dir.iterdir())
         self.writer = SummaryWriter(

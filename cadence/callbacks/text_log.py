@@ -9,7 +9,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.callbacks.metrics import eval_split, is_main, timestamp
+from cadence.callbacks.metrics import eval_split, is_main
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
@@ -115,7 +115,7 @@ class TextLog(Callback):
         formatter = logging.Formatter(config.format)
         if config.file:
             if self.path is None:
-                self.path = engine.run_dir / "logs" / f"{timestamp()}.log"
+                self.path = engine.run_dir / "logs" / f"{engine.attempt_timestamp}.log"
             self.path.parent.mkdir(parents=True, exist_ok=True)
             file_handler = logging.FileHandler(self.path, encoding="utf-8")
             file_handler.setFormatter(formatter)
