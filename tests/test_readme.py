@@ -36,32 +36,27 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_command():
     assert test_command in ci_lines, ".ci/run must run the README's test command verbatim"
 
 
-@pytest.mark.timeout(120)
-def test_main_job_reaches_its_accuracy(tmp_path):
+def run_example(name: str, cwd: Path) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "digits.py")],
-        cwd=tmp_path,
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=110,
         check=True,
     ).stdout
+
+
+@pytest.mark.timeout(120)
+def test_main_job_reaches_its_accuracy(tmp_path):
+    out = run_example("digits.py", tmp_path)
     final = float(re.search(r"final accuracy ([0-9.]+)", out).group(1))
     assert final >= 0.95, out
 
 
 @pytest.mark.timeout(120)
 def test_compose_example_runs(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "compose.py")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=True,
-    ).stdout
+    out = run_example("compose.py", tmp_path)
     assert "after 100 steps" in out and "BestAccuracy" in out
