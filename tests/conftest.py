@@ -37,3 +37,18 @@ def tiny_dataset(n: int = 96, inputs: int = 8, classes: int = 4, seed: int = 1) 
 def _run_in_tmp_cwd(tmp_path, monkeypatch):
     # Engines default to a ./runs workspace: keep every test's files in its tmp dir.
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_signal_handlers():
+    # Forked workers inherit the test process's handlers: a test that leaves
+    # one behind changes what later tests' workers do on a signal.
+    import signal
+
+    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    before = {sig: signal.getsignal(sig) for sig in watched}
+    yield
+    leaked = {signal.Signals(sig).name for sig in watched if signal.getsignal(sig) != before[sig]}
+    for sig in watched:
+        signal.signal(sig, before[sig])
+    assert not leaked, f"the test left signal handlers installed for {sorted(leaked)}"

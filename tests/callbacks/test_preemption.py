@@ -125,8 +125,11 @@ def late_signal():
 
 
 def test_a_signal_after_the_last_step_is_delivered_with_the_default_handler():
+    # spawn, not fork: this worker ends by its own signal, and a forked child
+    # inherits whatever the long-lived test process has running (once, in a
+    # full-suite run, such a forked worker hung instead of dying).
     with pytest.raises(WorkerError) as info:
-        launch(late_signal, nprocs=1, start_method="fork", timeout=60)
+        launch(late_signal, nprocs=1, start_method="spawn", timeout=90)
     assert info.value.exitcode == -signal.SIGTERM
 
 
