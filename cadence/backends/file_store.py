@@ -20,6 +20,7 @@ sizes first (truncation), then checksums as they read, and load
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -27,7 +28,7 @@ import secrets
 import shutil
 import time
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +73,7 @@ class FileStore(CheckpointStore):
 
     def write(self, name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
         file_io.check_name(name)
-        final = self.path(name)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{name}.{os.getpid()}.{secrets.token_hex(4)}"
-        tmp.mkdir()
-        try:
+        with self._staged(name) as tmp:
             tree, table, groups = file_io.split(payload)
             files = {}
             for file, tensors in groups.items():
@@ -98,21 +95,13 @@ class FileStore(CheckpointStore):
             }
             manifest["manifest_crc32"] = file_io.manifest_crc(manifest)
             file_io.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), self.durable)
-            if self.durable:
-                file_io.fsync_dir(tmp)
-            self._commit(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return manifest
 
     def link(self, src: str, dst: str) -> None:
         file_io.check_name(dst)
-        source, final = self.path(src), self.path(dst)
+        source = self.path(src)
         self.manifest(src)  # only a complete checkpoint gets another name
-        tmp = final.parent / f".tmp-{dst}.{os.getpid()}.{secrets.token_hex(4)}"
-        tmp.mkdir()
-        try:
+        with self._staged(dst) as tmp:
             for entry in sorted(os.scandir(source), key=lambda e: e.name == MANIFEST):  # manifest last
                 try:
                     os.link(entry.path, tmp / entry.name)
@@ -120,6 +109,16 @@ class FileStore(CheckpointStore):
                     shutil.copyfile(entry.path, tmp / entry.name)
                     if self.durable:
                         file_io.fsync_file(tmp / entry.name)
+
+    @contextlib.contextmanager
+    def _staged(self, name: str) -> Iterator[Path]:
+        """A temporary folder beside `name`; committed in place on success, removed on error."""
+        final = self.path(name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            yield tmp
             if self.durable:
                 file_io.fsync_dir(tmp)
             self._commit(tmp, final)

@@ -171,7 +171,7 @@ class Checkpoint(Callback):
         elif config.resume:
             load_checkpoint(engine, config.resume, strict=config.strict)
         elif config.auto_resume and self._auto_resume(engine):
-            pass
+            pass  # this run's latest was restored: a pretrained model does not apply
         elif config.pretrained:
             self._load_pretrained(engine)
 

@@ -91,9 +91,6 @@ class Callback:
     def on_teardown(self, engine: Engine) -> None: ...
 
 
-HOOK_NAMES: tuple[str, ...] = tuple(event.value for event in Event)
-
-
 def overridden_hooks(callback: object) -> list[Event]:
     """The events whose hook `callback` defines itself (not Callback's no-op)."""
     events = []
