@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from cadence.engine.backend import Backend, move_to
+from cadence.engine.backend import Backend
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine, EngineConfig
@@ -74,11 +74,10 @@ class LocalBackend(Backend):
     def from_engine_config(cls, config: EngineConfig) -> LocalBackend:
         return cls(device=config.device, precision=config.precision)
 
-    def to_device(self, batch: Any) -> Any:
-        # CPU batches already live where the model does: skip the walk over them.
-        if self.device.type == "cpu":
-            return batch
-        return move_to(batch, self.device, non_blocking=self.device.type == "cuda")
+    @property
+    def moves_batches(self) -> bool:
+        # CPU batches already live where the model does: the engine skips the walk over them.
+        return self.device.type != "cpu"
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.precision.autocast()

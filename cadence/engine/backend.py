@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
-from cadence.engine.events import Event
-
 if TYPE_CHECKING:
     from cadence.engine.control import Requests
     from cadence.engine.engine import Engine
@@ -76,42 +74,33 @@ class Backend:
     # -- the step ---------------------------------------------------------
 
     def forward_backward(self, engine: Engine, micro_batches: Sequence[Any]) -> None:
-        """Run one optimizer step's micro-batches: forward, backward, sync.
+        """Run one optimizer step's micro-batches: forward, backward, gradient sync.
 
-        Fires on_batch, on_forward and on_backward per micro-batch. Gradients
-        are synchronized on the last micro-batch only (`no_sync` on the others)
-        and each loss is divided by the number of micro-batches, so the step
-        sees the mean gradient. A pipeline backend overrides this to run its
-        schedule over all micro-batches at once.
+        The engine runs micro-batches itself (for each: `to_device`, on_batch,
+        forward under `autocast()`, on_forward, `backward` inside
+        `no_sync(not last)`, on_backward), and calls this method only on a
+        backend that overrides it: one that runs its own schedule over all of a
+        step's micro-batches at once (pipeline parallel). An override fires
+        on_batch, on_forward and on_backward where its schedule allows, and may
+        call this base method to fall back to the engine's way.
         """
-        last = len(micro_batches) - 1
-        fire, hooks = engine.fire, engine.hooks_table
-        autocast = self.autocast()
-        for i, batch in enumerate(micro_batches):
-            engine.batch = self.to_device(batch)
-            hooks[Event.ON_BATCH] and fire(Event.ON_BATCH)
-            no_sync = self.no_sync(i < last)
-            if no_sync is _NULL and autocast is _NULL:
-                # fp32 and nothing to suspend: skip entering two empty contexts.
-                # On a tiny step every Python call between torch ops shows.
-                engine.outputs, engine.loss = engine.compute_loss(engine.batch)
-                hooks[Event.ON_FORWARD] and fire(Event.ON_FORWARD)
-                self.backward(engine.loss, last + 1)
-            else:
-                with no_sync:
-                    with autocast:
-                        engine.outputs, engine.loss = engine.compute_loss(engine.batch)
-                    hooks[Event.ON_FORWARD] and fire(Event.ON_FORWARD)
-                    self.backward(engine.loss, last + 1)
-            hooks[Event.ON_BACKWARD] and fire(Event.ON_BACKWARD)
+        engine._forward_backward(micro_batches)
+
+    @property
+    def moves_batches(self) -> bool:
+        """Whether batches need `to_device` before forward (False: used as given)."""
+        return True
 
     def to_device(self, batch: Any) -> Any:
         """Move a batch (tensors in tuples, lists, dicts) to `device`."""
         return move_to(batch, self.device, non_blocking=self.device.type == "cuda")
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """Mixed-precision context for forward (entered once per micro-batch);
-        return `cadence.engine.backend.NULL_CONTEXT` when there is none."""
+        """Mixed-precision context for forward; `NULL_CONTEXT` when there is none.
+
+        The engine asks once per fit and enters the same context around every
+        micro-batch's forward, so it must be re-enterable (torch.autocast is).
+        """
         return _NULL
 
     def no_sync(self, skip_sync: bool) -> contextlib.AbstractContextManager[Any]:

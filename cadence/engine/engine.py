@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -15,7 +16,7 @@ import torch
 
 from cadence.engine import config as config_module
 from cadence.engine import registry, rundir
-from cadence.engine.backend import Backend, batch_size, restore_training_mode
+from cadence.engine.backend import NULL_CONTEXT, Backend, batch_size, restore_training_mode
 from cadence.engine.bus import EventBus, Handle
 from cadence.engine.control import Requests
 from cadence.engine.data import DataConfig, DataSource
@@ -26,6 +27,11 @@ from cadence.engine.state import State, seed_everything
 logger = logging.getLogger("cadence")
 
 _END = object()
+# Events of the step as module constants: `Event.X` costs an enum attribute lookup
+# (~65 ns) each time, and on a tiny step every bit of Python between torch ops shows.
+_ON_STEP_START, _ON_STEP_END = Event.ON_STEP_START, Event.ON_STEP_END
+_ON_BEFORE_OPTIMIZER_STEP, _ON_OPTIMIZER_STEP = Event.ON_BEFORE_OPTIMIZER_STEP, Event.ON_OPTIMIZER_STEP
+_ON_BATCH, _ON_FORWARD, _ON_BACKWARD = Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD
 
 
 @attrs.define(kw_only=True)
@@ -164,6 +170,8 @@ class Engine:
         self._setup_done = False
         self._epoch_iter: Iterator[Any] | None = None
         self._pending: Sequence[Any] | None = None
+        self._to_device: Callable[[Any], Any] | None = None  # set per fit by _step_plan
+        self._autocast: contextlib.AbstractContextManager[Any] | None = None
         self._train_position_restored = False
         self._active_metrics = self.metrics
         self._run_dir: Path | None = None
@@ -324,35 +332,67 @@ class Engine:
         state, fire, backend, requests = self.state, self.fire, self.backend, self.requests
         # `hooks[event] and fire(event)`: an event nobody listens to costs a
         # dict lookup, not a call (on a tiny step every call shows).
-        hooks = self.hooks_table
+        hooks, agreed = self.hooks_table, requests.agreed
         skip, stop = requests.index["skip"], requests.index["stop"]
         log_interval, eval_every = self.config.log_interval, self.config.eval_every_steps
+        forward_backward = self._step_plan()  # on_batch, on_forward, on_backward per micro-batch
         requests.clear_agreed()
         fire(Event.ON_FIT_START)
-        while state.step < stop_step and state.epoch < stop_epoch and not requests.agreed[stop]:
+        while state.step < stop_step and state.epoch < stop_epoch and not agreed[stop]:
             if state.batch_in_epoch == 0:
                 fire(Event.ON_EPOCH_START)
             for micro_batches in self._steps_of_epoch():
-                hooks[Event.ON_STEP_START] and fire(Event.ON_STEP_START)
-                backend.forward_backward(self, micro_batches)  # on_batch, on_forward, on_backward
+                hooks[_ON_STEP_START] and fire(_ON_STEP_START)
+                forward_backward(micro_batches)
                 backend.finish_gradients(self)
-                hooks[Event.ON_BEFORE_OPTIMIZER_STEP] and fire(Event.ON_BEFORE_OPTIMIZER_STEP)
+                hooks[_ON_BEFORE_OPTIMIZER_STEP] and fire(_ON_BEFORE_OPTIMIZER_STEP)
                 backend.agree(requests)  # one small collective: skip / stop / save / ...
-                if not requests.agreed[skip]:
+                if not agreed[skip]:
                     backend.optimizer_step(self)
-                    hooks[Event.ON_OPTIMIZER_STEP] and fire(Event.ON_OPTIMIZER_STEP)
+                    hooks[_ON_OPTIMIZER_STEP] and fire(_ON_OPTIMIZER_STEP)
                 backend.zero_grad(self)
-                self._count_step(micro_batches, skipped=requests.agreed[skip])
-                hooks[Event.ON_STEP_END] and fire(Event.ON_STEP_END)
+                self._count_step(micro_batches, agreed[skip])
+                hooks[_ON_STEP_END] and fire(_ON_STEP_END)
                 if state.step % log_interval == 0:
                     self._log_metrics()
                 if eval_every and state.step % eval_every == 0 and "eval" in self.data:
                     self.evaluate()
-                if requests.agreed[stop] or state.step >= stop_step:
+                if agreed[stop] or state.step >= stop_step:
                     break
             if self._epoch_iter is None or self._data_ran_out():
                 self._end_epoch()
         fire(Event.ON_FIT_END)
+
+    def _step_plan(self) -> Callable[[Sequence[Any]], None]:
+        """What runs a step's micro-batches in this fit: the backend, if it runs its
+        own schedule (it overrides `forward_backward`), else `_forward_backward`
+        with the backend's batch placement and autocast looked up once."""
+        backend = self.backend
+        if type(backend).forward_backward is not Backend.forward_backward:
+            return functools.partial(backend.forward_backward, self)
+        self._to_device = backend.to_device if backend.moves_batches else None
+        autocast = backend.autocast()
+        self._autocast = None if autocast is NULL_CONTEXT else autocast
+        return self._forward_backward
+
+    def _forward_backward(self, micro_batches: Sequence[Any]) -> None:
+        """Forward and backward each micro-batch; gradients sync on the last one only."""
+        hooks, fire, backend, to_device = self.hooks_table, self.fire, self.backend, self._to_device
+        n = len(micro_batches)
+        for i, batch in enumerate(micro_batches, 1):
+            self.batch = batch if to_device is None else to_device(batch)
+            hooks[_ON_BATCH] and fire(_ON_BATCH)
+            if i == n and self._autocast is None:  # fp32 and gradients sync: no context to enter
+                self.outputs, self.loss = self.compute_loss(self.batch)
+                hooks[_ON_FORWARD] and fire(_ON_FORWARD)
+                backend.backward(self.loss, n)
+            else:
+                with backend.no_sync(i < n):
+                    with self._autocast or NULL_CONTEXT:
+                        self.outputs, self.loss = self.compute_loss(self.batch)
+                    hooks[_ON_FORWARD] and fire(_ON_FORWARD)
+                    backend.backward(self.loss, n)
+            hooks[_ON_BACKWARD] and fire(_ON_BACKWARD)
 
     def _steps_of_epoch(self) -> Iterator[Sequence[Any]]:
         """The micro-batches of each step until the epoch's data runs out.

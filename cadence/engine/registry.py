@@ -46,7 +46,9 @@ class Registry:
         if target is None and ":" in name:
             target = name
         if target is None:
-            raise UnknownNameError(f"unknown {self.kind} {name!r}; known {self.kind}s: {', '.join(sorted(known)) or 'none'} (or name one as 'module:Class')")
+            raise UnknownNameError(
+                f"unknown {self.kind} {name!r}; known {self.kind}s: {', '.join(sorted(known)) or 'none'} (or name one as 'module:Class')"
+            )
         return load_target(target, what=f"{self.kind} {name!r}")
 
 

@@ -1,0 +1,107 @@
+"""The local backend and the step contract: who runs a step's micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import cadence
+from cadence import Event
+from cadence.backends.local import LocalBackend
+from tests.conftest import tiny_batches, tiny_model
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def train(backend=None, steps=3, grad_accum=2, **kwargs):
+    model = tiny_model()
+    engine = cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_batches(12),
+        loss_fn=F.cross_entropy,
+        backend=backend or LocalBackend(device="cpu"),
+        grad_accum=grad_accum,
+        seed=0,
+        **kwargs,
+    )
+    events = []
+    for event in (Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD):
+        engine.on(event)(lambda e, name=event.value: events.append(name))
+    engine.fit(steps=steps)
+    return engine, events
+
+
+class ConcatSchedule(LocalBackend):
+    """Runs a step's micro-batches as one forward over their concatenation, the way
+    a pipeline schedule takes all of a step's micro-batches at once."""
+
+    def __init__(self):
+        super().__init__(device="cpu")
+        self.calls = []
+
+    def forward_backward(self, engine, micro_batches):
+        self.calls.append(len(micro_batches))
+        inputs = torch.cat([x for x, _ in micro_batches])
+        targets = torch.cat([y for _, y in micro_batches])
+        engine.batch = (inputs, targets)
+        engine.fire(Event.ON_BATCH)
+        engine.outputs, engine.loss = engine.compute_loss(engine.batch)
+        engine.fire(Event.ON_FORWARD)
+        engine.loss.backward()
+        engine.fire(Event.ON_BACKWARD)
+
+
+class Delegating(LocalBackend):
+    def __init__(self):
+        super().__init__(device="cpu")
+        self.calls = 0
+
+    def forward_backward(self, engine, micro_batches):
+        self.calls += 1
+        super().forward_backward(engine, micro_batches)
+
+
+def test_a_backend_that_overrides_forward_backward_runs_each_step_itself():
+    plain, plain_events = train()
+    assert plain_events == ["on_batch", "on_forward", "on_backward"] * 6
+    backend = ConcatSchedule()
+    scheduled, events = train(backend)
+    assert backend.calls == [2, 2, 2]  # once per step, with all of its micro-batches
+    assert events == ["on_batch", "on_forward", "on_backward"] * 3
+    assert scheduled.state.step == 3 and scheduled.state.micro_step == 6 and scheduled.state.samples_seen == 48
+    # The mean loss over the concatenation is the mean of the micro-batch means: the same step.
+    for a, b in zip(plain.model.parameters(), scheduled.model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_an_override_can_fall_back_to_the_engines_micro_batch_loop():
+    plain, plain_events = train()
+    backend = Delegating()
+    delegated, events = train(backend)
+    assert backend.calls == 3 and events == plain_events
+    for a, b in zip(plain.model.parameters(), delegated.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_bf16_autocast_is_entered_for_every_micro_batch_and_left_for_backward():
+    model_dtypes, grad_enabled_autocast = [], []
+    engine, _ = train(LocalBackend(device="cpu", precision="bf16"), steps=2)
+    engine.on(Event.ON_FORWARD)(lambda e: model_dtypes.append(e.outputs.dtype))
+    engine.on(Event.ON_BACKWARD)(lambda e: grad_enabled_autocast.append(torch.is_autocast_enabled("cpu")))
+    engine.fit(steps=2)
+    assert model_dtypes == [torch.bfloat16] * 4
+    assert grad_enabled_autocast == [False] * 4
+    assert all(p.grad is None and p.dtype == torch.float32 for p in engine.model.parameters())
+
+
+def test_cpu_batches_are_used_as_given_and_other_devices_are_moved():
+    assert LocalBackend(device="cpu").moves_batches is False
+    batch = tiny_batches(1)[0]
+    engine, _ = train(steps=1, grad_accum=1)
+    seen = []
+    engine.on(Event.ON_BATCH)(lambda e: seen.append(e.batch))
+    engine.fit(steps=1)
+    assert seen[0] is engine.data["train"].loader[1]
+    assert LocalBackend(device="cpu").to_device(batch)[0] is batch[0]  # already there: not copied
