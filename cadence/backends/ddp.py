@@ -2,14 +2,13 @@
 
 Every rank holds the whole model and optimizer; `DistributedDataParallel`
 averages gradients during backward (only on the last micro-batch of a step:
-the others run under `no_sync`). Data is sharded by the engine with
+the others run with `require_backward_grad_sync` off). Data is sharded by the engine with
 torchdata's `StatefulDistributedSampler` from `data_rank`/`data_size`.
 The data and optimizer domains are both the whole world.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,6 @@ if TYPE_CHECKING:
 #: works alone for longer (a first `torch.compile`, a huge checkpoint save).
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
-_NULL = contextlib.nullcontext()
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
@@ -163,8 +161,9 @@ class DDPBackend(LocalBackend):
 
     # -- the step ---------------------------------------------------------
 
-    def no_sync(self, skip_sync: bool) -> contextlib.AbstractContextManager[Any]:
-        return self._wrapped.no_sync() if skip_sync else _NULL
+    def set_gradient_sync(self, enabled: bool) -> None:
+        # What DistributedDataParallel.no_sync() sets and restores, set per micro-batch.
+        self._wrapped.require_backward_grad_sync = enabled
 
     # -- collectives --------------------------------------------------------
 

@@ -8,12 +8,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from cadence.engine.backend import Backend
+from cadence.engine.backend import NULL_CONTEXT, Backend
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine, EngineConfig
-
-_NULL = contextlib.nullcontext()
 
 
 def default_device(requested: str | None = None, local_rank: int = 0) -> torch.device:
@@ -49,7 +47,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.precision == "fp32":
-            return _NULL
+            return NULL_CONTEXT
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 

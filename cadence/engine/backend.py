@@ -74,17 +74,19 @@ class Backend:
     # -- the step ---------------------------------------------------------
 
     def forward_backward(self, engine: Engine, micro_batches: Sequence[Any]) -> None:
-        """Run one optimizer step's micro-batches: forward, backward, gradient sync.
+        """Run all of one optimizer step's micro-batches on the backend's own schedule.
 
-        The engine runs micro-batches itself (for each: `to_device`, on_batch,
-        forward under `autocast()`, on_forward, `backward` inside
-        `no_sync(not last)`, on_backward), and calls this method only on a
-        backend that overrides it: one that runs its own schedule over all of a
-        step's micro-batches at once (pipeline parallel). An override fires
-        on_batch, on_forward and on_backward where its schedule allows, and may
-        call this base method to fall back to the engine's way.
+        Only for backends that must (pipeline parallel): the engine calls this
+        only when a backend overrides it, and otherwise runs the micro-batches
+        itself (for each: `to_device`, on_batch, forward under `autocast()`,
+        on_forward, `backward` after `set_gradient_sync(last)`, on_backward). An
+        override sets `engine.batch`, `engine.outputs` and `engine.loss` and
+        fires on_batch, on_forward and on_backward where its schedule allows.
         """
-        engine._forward_backward(micro_batches)
+        raise NotImplementedError(
+            f"{type(self).__name__}.forward_backward: the engine runs micro-batches itself unless a backend "
+            "overrides this method to run its own schedule"
+        )
 
     @property
     def moves_batches(self) -> bool:
@@ -103,10 +105,14 @@ class Backend:
         """
         return _NULL
 
-    def no_sync(self, skip_sync: bool) -> contextlib.AbstractContextManager[Any]:
-        """Context in which gradients accumulate without being synchronized;
-        `NULL_CONTEXT` when `skip_sync` is false or there is nothing to skip."""
-        return _NULL
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Whether the next backward synchronizes gradients across ranks.
+
+        Called before every micro-batch: False on all but a step's last, so
+        gradients accumulate locally and sync once per step (DDP's
+        `require_backward_grad_sync`, FSDP2's `set_requires_gradient_sync`).
+        A flag rather than a context, so the usual step enters no context.
+        """
 
     def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
         (loss / micro_batches if micro_batches > 1 else loss).backward()

@@ -170,8 +170,6 @@ class Engine:
         self._setup_done = False
         self._epoch_iter: Iterator[Any] | None = None
         self._pending: Sequence[Any] | None = None
-        self._to_device: Callable[[Any], Any] | None = None  # set per fit by _step_plan
-        self._autocast: contextlib.AbstractContextManager[Any] | None = None
         self._train_position_restored = False
         self._active_metrics = self.metrics
         self._run_dir: Path | None = None
@@ -331,11 +329,12 @@ class Engine:
     def _fit(self, stop_step: float, stop_epoch: float) -> None:
         state, fire, backend, requests = self.state, self.fire, self.backend, self.requests
         # `hooks[event] and fire(event)`: an event nobody listens to costs a
-        # dict lookup, not a call (on a tiny step every call shows).
+        # dict lookup, not a call (on a tiny step every bit of Python shows).
         hooks, agreed = self.hooks_table, requests.agreed
         skip, stop = requests.index["skip"], requests.index["stop"]
         log_interval, eval_every = self.config.log_interval, self.config.eval_every_steps
-        forward_backward = self._step_plan()  # on_batch, on_forward, on_backward per micro-batch
+        schedule, to_device, forward = self._step_plan()
+        backward, gradient_sync = backend.backward, backend.set_gradient_sync
         requests.clear_agreed()
         fire(Event.ON_FIT_START)
         while state.step < stop_step and state.epoch < stop_epoch and not agreed[stop]:
@@ -343,7 +342,18 @@ class Engine:
                 fire(Event.ON_EPOCH_START)
             for micro_batches in self._steps_of_epoch():
                 hooks[_ON_STEP_START] and fire(_ON_STEP_START)
-                forward_backward(micro_batches)
+                if schedule is not None:  # the backend runs the micro-batches (pipeline)
+                    schedule(self, micro_batches)
+                else:
+                    n = len(micro_batches)
+                    for i, batch in enumerate(micro_batches, 1):
+                        self.batch = batch if to_device is None else to_device(batch)
+                        hooks[_ON_BATCH] and fire(_ON_BATCH)
+                        gradient_sync(i == n)  # accumulate locally, sync on the last micro-batch
+                        self.outputs, self.loss = forward(self.batch)  # under autocast
+                        hooks[_ON_FORWARD] and fire(_ON_FORWARD)
+                        backward(self.loss, n)
+                        hooks[_ON_BACKWARD] and fire(_ON_BACKWARD)
                 backend.finish_gradients(self)
                 hooks[_ON_BEFORE_OPTIMIZER_STEP] and fire(_ON_BEFORE_OPTIMIZER_STEP)
                 backend.agree(requests)  # one small collective: skip / stop / save / ...
@@ -363,36 +373,18 @@ class Engine:
                 self._end_epoch()
         fire(Event.ON_FIT_END)
 
-    def _step_plan(self) -> Callable[[Sequence[Any]], None]:
-        """What runs a step's micro-batches in this fit: the backend, if it runs its
-        own schedule (it overrides `forward_backward`), else `_forward_backward`
-        with the backend's batch placement and autocast looked up once."""
+    def _step_plan(self) -> tuple[Any, Callable[[Any], Any] | None, Callable[[Any], Any]]:
+        """What a step needs from the backend, looked up once per fit: its schedule
+        (if it overrides `forward_backward`), batch placement, and the forward
+        (`compute_loss`, inside the backend's autocast context if it has one)."""
         backend = self.backend
-        if type(backend).forward_backward is not Backend.forward_backward:
-            return functools.partial(backend.forward_backward, self)
-        self._to_device = backend.to_device if backend.moves_batches else None
+        overridden = type(backend).forward_backward is not Backend.forward_backward
         autocast = backend.autocast()
-        self._autocast = None if autocast is NULL_CONTEXT else autocast
-        return self._forward_backward
-
-    def _forward_backward(self, micro_batches: Sequence[Any]) -> None:
-        """Forward and backward each micro-batch; gradients sync on the last one only."""
-        hooks, fire, backend, to_device = self.hooks_table, self.fire, self.backend, self._to_device
-        n = len(micro_batches)
-        for i, batch in enumerate(micro_batches, 1):
-            self.batch = batch if to_device is None else to_device(batch)
-            hooks[_ON_BATCH] and fire(_ON_BATCH)
-            if i == n and self._autocast is None:  # fp32 and gradients sync: no context to enter
-                self.outputs, self.loss = self.compute_loss(self.batch)
-                hooks[_ON_FORWARD] and fire(_ON_FORWARD)
-                backend.backward(self.loss, n)
-            else:
-                with backend.no_sync(i < n):
-                    with self._autocast or NULL_CONTEXT:
-                        self.outputs, self.loss = self.compute_loss(self.batch)
-                    hooks[_ON_FORWARD] and fire(_ON_FORWARD)
-                    backend.backward(self.loss, n)
-            hooks[_ON_BACKWARD] and fire(_ON_BACKWARD)
+        return (
+            backend.forward_backward if overridden else None,
+            backend.to_device if backend.moves_batches else None,
+            self.compute_loss if autocast is NULL_CONTEXT else functools.partial(_within, autocast, self.compute_loss),
+        )
 
     def _steps_of_epoch(self) -> Iterator[Sequence[Any]]:
         """The micro-batches of each step until the epoch's data runs out.
@@ -722,6 +714,11 @@ def _as_list(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
+
+
+def _within(context: contextlib.AbstractContextManager[Any], fn: Callable[[Any], Any], arg: Any) -> Any:
+    with context:
+        return fn(arg)
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:

@@ -28,7 +28,7 @@ class Event(_StrEnum):
             on_epoch_start                a new pass over the training data
             for each optimizer step (its micro-batches already fetched):
               on_step_start
-              for each micro-batch (backend.no_sync on all but the last;
+              for each micro-batch (gradient sync only on the last;
                                     a backend overriding forward_backward runs
                                     them on its own schedule, e.g. pipeline):
                 on_batch                  engine.batch on device; may be replaced

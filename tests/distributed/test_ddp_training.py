@@ -73,6 +73,28 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(grad_accum):
     assert logged["loss"] == pytest.approx(single.logged["loss"], abs=1e-6)
 
 
+def gradients_after_each_backward():
+    with make_engine(2, grad_accum=2, steps=2) as engine:
+        seen = []
+
+        def record(engine):  # every rank's first-parameter gradient after this micro-batch's backward
+            grad = next(engine.model.parameters()).grad.detach().reshape(-1).clone()
+            seen.append(engine.backend.all_gather(grad))
+
+        engine.on(cadence.Event.ON_BACKWARD)(record)
+        engine.fit(steps=2)
+        return seen
+
+
+def test_accumulating_micro_batches_do_not_synchronize_gradients_and_the_last_does():
+    seen = run(gradients_after_each_backward)  # rank 0's record of every rank's gradients
+    assert len(seen) == 4  # 2 steps x 2 micro-batches
+    for step in (0, 1):
+        local, synced = seen[2 * step], seen[2 * step + 1]
+        assert not torch.equal(local[0], local[1])  # each rank still holds its own gradient
+        assert torch.equal(synced[0], synced[1])  # all-reduced on the step's last micro-batch
+
+
 class RequestOnOneRank(cadence.Callback):
     """Raises `kind` at one step on one rank only, and records what the loop did."""
 
