@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from cadence.backends.local import LocalBackend, Precision, default_device
+from cadence.backends.local import LocalBackend, default_device
 from cadence.engine.backend import Domain, ReduceOp
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class DDPBackend(LocalBackend):
         self.checkpoint_format = checkpoint
         self.created_group = False
         self.group: Any = None
-        self.precision = Precision.create("fp32", torch.device("cpu"))  # replaced in setup
+        self.set_precision("fp32", torch.device("cpu"))  # replaced in setup
         self._wrapped: Any = None
         # The agreement buffer: one int64 slot per request kind, reused every step.
         self._agree_host: torch.Tensor | None = None
@@ -126,7 +126,7 @@ class DDPBackend(LocalBackend):
             self.device = torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.precision = Precision.create(self.precision_name, self.device)
+        self.set_precision(self.precision_name, self.device)
         engine.model.to(self.device)
         from torch.nn.parallel import DistributedDataParallel
 

@@ -66,7 +66,11 @@ class LocalBackend(Backend):
         self.requested_device = device
         self.precision_name = precision
         self.device = default_device(device)
-        self.precision = Precision.create(precision, self.device)
+        self.set_precision(precision, self.device)
+
+    def set_precision(self, precision: str, device: torch.device) -> None:
+        self.precision = Precision.create(precision, device)
+        self.scaler = self.precision.scaler  # fp16 only; read on every step
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> LocalBackend:
@@ -83,17 +87,17 @@ class LocalBackend(Backend):
     def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
         if micro_batches > 1:
             loss = loss / micro_batches
-        if self.precision.scaler is not None:
-            loss = self.precision.scaler.scale(loss)
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
         loss.backward()
 
     def finish_gradients(self, engine: Engine) -> None:
-        if self.precision.scaler is not None:
+        if self.scaler is not None:
             for optimizer in engine.optimizers:
-                self.precision.scaler.unscale_(optimizer)
+                self.scaler.unscale_(optimizer)
 
     def optimizer_step(self, engine: Engine) -> None:
-        scaler = self.precision.scaler
+        scaler = self.scaler
         if scaler is None:
             for optimizer in engine.optimizers:
                 optimizer.step()

@@ -205,7 +205,8 @@ def batch_size(batch: Any) -> int:
     """Number of samples in a batch: the first dimension of its first tensor (1 if none)."""
     while True:
         if isinstance(batch, torch.Tensor):
-            return batch.shape[0] if batch.dim() else 1
+            shape = batch.shape
+            return shape[0] if shape else 1
         if isinstance(batch, (tuple, list)) and batch:
             batch = batch[0]
         elif isinstance(batch, dict) and batch:

@@ -453,8 +453,7 @@ class Engine:
         n = len(micro_batches)
         state.micro_step += n
         state.batch_in_epoch += n
-        for batch in micro_batches:
-            state.samples_seen += batch_size(batch)
+        state.samples_seen += batch_size(micro_batches[0]) if n == 1 else sum(map(batch_size, micro_batches))
         if skipped:
             state.skipped_steps += 1
             state.consecutive_skips += 1
