@@ -24,10 +24,13 @@ class ProgressBarConfig:
     """How `ProgressBar` shows progress.
 
     Attributes:
-        mode: `bar` (tqdm), `lines` (one text line per log interval) or `auto`:
+        mode: `bar` (tqdm), `lines` (periodic text lines) or `auto`:
             a bar in a terminal or notebook, lines when the output is a file or pipe.
         metrics: logged names shown in the postfix / lines, when present.
         leave: keep the finished bar on screen.
+        line_interval: in lines mode, at most one training line per this many
+            seconds (evaluation results and the fit's last state are always
+            written); 0 writes a line at every log interval.
     """
 
     mode: Literal["auto", "bar", "lines"] = "auto"
@@ -38,6 +41,7 @@ class ProgressBarConfig:
         "throughput.tokens_per_sec",
     )
     leave: bool = True
+    line_interval: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
 
 
 class ProgressBar(Callback):
@@ -48,7 +52,10 @@ class ProgressBar(Callback):
     Epoch mode: one bar per epoch over its steps (`len(loader) / grad_accum`),
     starting at the steps already done in that epoch. The postfix shows the
     loss and throughput of the last `on_log`. When the output is not a
-    terminal (and not a notebook), it writes a line per `on_log` instead.
+    terminal (and not a notebook), it writes text lines instead: at most one
+    training line per `line_interval` seconds (a log or CI console needs no
+    more, and every write to a pipe wakes its reader), every evaluation's
+    line, and the fit's last logged state when the fit ends.
 
     Args:
         config: a `ProgressBarConfig` (or mapping); or its fields as keywords.
@@ -88,6 +95,8 @@ class ProgressBar(Callback):
         self._postfix: dict[str, str] = {}
         self._fit_start = 0.0
         self._fit_start_step = 0
+        self._last_line = -math.inf  # when the last training line was written
+        self._unwritten: str | None = None  # the latest training line held back
 
     # -- setup ------------------------------------------------------------------
 
@@ -95,6 +104,7 @@ class ProgressBar(Callback):
         self._active = is_main(engine)
         self._lines = self._active and self._use_lines()
         self._fit_start, self._fit_start_step = time.perf_counter(), engine.state.step
+        self._last_line, self._unwritten = -math.inf, None
 
     def _use_lines(self) -> bool:
         if self.config.mode != "auto":
@@ -139,26 +149,46 @@ class ProgressBar(Callback):
         }
         self._postfix.update(shown)
         if self._lines:
-            self._write_line(engine, shown)
+            self._maybe_write_line(engine, shown)
         elif self.bar is not None:
             self.bar.set_postfix(self._postfix, refresh=False)
 
-    def _write_line(self, engine: Engine, shown: dict[str, str]) -> None:
+    def _maybe_write_line(self, engine: Engine, shown: dict[str, str]) -> None:
+        now = time.perf_counter()
+        line = self._line(engine, shown, now)
+        if self._in_eval:  # results are always shown, after the training line they follow
+            self._write_held_back()
+            self._write(line)
+        elif now - self._last_line >= self.config.line_interval:
+            self._write(line)
+            self._unwritten, self._last_line = None, now
+        else:
+            self._unwritten = line
+
+    def _write_held_back(self) -> None:
+        if self._unwritten is not None:
+            self._write(self._unwritten)
+            self._unwritten = None
+
+    def _write(self, text: str) -> None:
+        stream = self._stream()
+        stream.write(text)
+        stream.flush()
+
+    def _line(self, engine: Engine, shown: dict[str, str], now: float) -> str:
         state = engine.state
         stop_step, stop_epoch = engine.fit_target
         where = f"step {state.step}" + (f"/{stop_step}" if math.isfinite(stop_step) else "")
         where += f" epoch {state.epoch}" + (f"/{stop_epoch}" if math.isfinite(stop_epoch) else "")
         if self._in_eval:
             where += " eval"
-        elapsed = time.perf_counter() - self._fit_start
+        elapsed = now - self._fit_start
         done = state.step - self._fit_start_step
         timing = f"elapsed {_clock(elapsed)}"
         if done > 0 and math.isfinite(stop_step):
             timing += f" eta {_clock(elapsed / done * max(0, stop_step - state.step))}"
         metrics = " ".join(f"{k}={v}" for k, v in shown.items())
-        stream = self._stream()
-        stream.write(f"{where} | {metrics} | {timing}\n" if metrics else f"{where} | {timing}\n")
-        stream.flush()
+        return f"{where} | {metrics} | {timing}\n" if metrics else f"{where} | {timing}\n"
 
     # -- the bar ----------------------------------------------------------------
 
@@ -198,6 +228,7 @@ class ProgressBar(Callback):
             self.bar = None
 
     def on_fit_end(self, engine: Engine) -> None:
+        self._write_held_back()  # the fit's last logged state
         self._close()
 
     def on_teardown(self, engine: Engine) -> None:

@@ -112,7 +112,8 @@ def test_epoch_mode_resume_mid_epoch(tmp_path):
 
 def test_lines_when_the_output_is_not_a_terminal():
     out = io.StringIO()  # not a tty: auto mode falls back to lines
-    engine = make_engine([TrainMetrics(), ProgressBar(stream=out)], eval_data=tiny_batches(2), eval_every_steps=4)
+    bar = ProgressBar(stream=out, line_interval=0)  # a line at every log interval
+    engine = make_engine([TrainMetrics(), bar], eval_data=tiny_batches(2), eval_every_steps=4)
     engine.fit(steps=4)
     lines = out.getvalue().splitlines()
     assert [line.split(" |")[0] for line in lines] == [
@@ -123,6 +124,19 @@ def test_lines_when_the_output_is_not_a_terminal():
     assert "loss=" in lines[0] and "samples/s=" in lines[0] and "eta 0:00:00" in lines[0]
     assert "val.loss=" in lines[2]
     assert "\r" not in out.getvalue()
+
+
+def test_lines_are_throttled_but_evaluations_and_the_last_state_are_written():
+    out = io.StringIO()
+    bar = ProgressBar(stream=out, line_interval=3600)
+    engine = make_engine([TrainMetrics(), bar], eval_data=tiny_batches(2), eval_every_steps=6)
+    engine.fit(steps=10)  # logs at 2, 4, 6 (+ eval), 8, 10
+    assert [line.split(" |")[0] for line in out.getvalue().splitlines()] == [
+        "step 2/10 epoch 0",  # the first log
+        "step 6/10 epoch 0",  # held back, written before the evaluation that follows it
+        "step 6/10 epoch 0 eval",
+        "step 10/10 epoch 0",  # the fit's last state
+    ]
 
 
 def test_nothing_on_other_ranks():
