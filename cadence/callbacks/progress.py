@@ -12,7 +12,9 @@ import attrs
 
 from cadence.callbacks.metrics import is_main
 from cadence.engine import config as config_module
+from cadence.engine.bus import Handle
 from cadence.engine.callback import Callback
+from cadence.engine.events import Event
 from cadence.engine.order import Order
 
 if TYPE_CHECKING:
@@ -97,6 +99,7 @@ class ProgressBar(Callback):
         self._fit_start_step = 0
         self._last_line = -math.inf  # when the last training line was written
         self._unwritten: str | None = None  # the latest training line held back
+        self._step_handles: list[Handle] = []
 
     # -- setup ------------------------------------------------------------------
 
@@ -105,6 +108,12 @@ class ProgressBar(Callback):
         self._lines = self._active and self._use_lines()
         self._fit_start, self._fit_start_step = time.perf_counter(), engine.state.step
         self._last_line, self._unwritten = -math.inf, None
+        if self._active and not self._lines and not self._step_handles:
+            # Per-step work only when a bar is shown: lines and other ranks cost no call per step.
+            self._step_handles = [
+                engine.on(Event.ON_STEP_START, order=self.order)(self._step_start),
+                engine.on(Event.ON_STEP_END, order=self.order)(self._step_end),
+            ]
 
     def _use_lines(self) -> bool:
         if self.config.mode != "auto":
@@ -121,11 +130,11 @@ class ProgressBar(Callback):
 
     # -- per step ---------------------------------------------------------------
 
-    def on_step_start(self, engine: Engine) -> None:
-        if self.bar is None and self._active and not self._lines:
+    def _step_start(self, engine: Engine) -> None:
+        if self.bar is None:
             self._open(engine)  # lazily: a checkpoint restored in on_fit_start has moved the step
 
-    def on_step_end(self, engine: Engine) -> None:
+    def _step_end(self, engine: Engine) -> None:
         if self.bar is not None:
             self.bar.update(1)
 
@@ -233,6 +242,9 @@ class ProgressBar(Callback):
 
     def on_teardown(self, engine: Engine) -> None:
         self._close()
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles = []
         self._in_eval = False
 
 

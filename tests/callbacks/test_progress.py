@@ -151,3 +151,21 @@ def test_nothing_on_other_ranks():
 def test_config_errors():
     with pytest.raises(cadence.ConfigError, match="mode"):
         ProgressBar(mode="fancy")
+
+
+def test_per_step_hooks_only_while_a_bar_is_shown():
+    seen = []
+
+    def count_step_hooks(engine):
+        seen.append(len(engine.hooks(cadence.Event.ON_STEP_END)))
+
+    lines = make_engine([ProgressBar(stream=io.StringIO(), mode="lines")])
+    lines.on(cadence.Event.ON_FIT_END)(count_step_hooks)
+    lines.fit(steps=2)
+    bar = make_engine([ProgressBar(stream=io.StringIO(), mode="bar")])
+    bar.on(cadence.Event.ON_FIT_END)(count_step_hooks)
+    bar.fit(steps=2)
+    assert seen == [0, 1]  # lines: nothing per step; a bar: one tick per step while fitting
+    assert bar.hooks(cadence.Event.ON_STEP_END) == ()  # removed when the fit ends
+    bar.fit(steps=2)  # and registered again for the next
+    assert seen == [0, 1, 1]
