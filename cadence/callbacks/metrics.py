@@ -17,7 +17,9 @@ import attrs
 import torch
 
 from cadence.engine import config as config_module
+from cadence.engine.bus import Handle
 from cadence.engine.callback import Callback
+from cadence.engine.events import Event
 from cadence.engine.order import Order
 
 if TYPE_CHECKING:
@@ -69,9 +71,10 @@ class TrainMetricsConfig:
 class TrainMetrics(Callback):
     """Logs the built-in training metrics through `engine.log`.
 
-    Per step: a reference to the detached loss of each micro-batch (no copy,
-    no sync) and two `perf_counter` reads; the interval's losses are averaged
-    on the device and logged once (weighted by their count). Per log interval: learning rates, gradient norm,
+    Per step: two `perf_counter` reads and a reference to the detached loss
+    (no copy, no sync), read at on_step_end, or at each micro-batch's
+    on_forward under gradient accumulation; the interval's losses are
+    averaged on the device and logged once (weighted by their count). Per log interval: learning rates, gradient norm,
     mean step time and data-wait time, samples/s, tokens/s, TFLOP/s and MFU.
     Data wait is the time from the end of the previous step to the start of
     this one (the micro-batches are fetched in between); evaluation and
@@ -101,8 +104,10 @@ class TrainMetrics(Callback):
         self._log_loss = self.config.loss
         self._interval = 1
         self._step_start = 0.0
-        self._last_end: float | None = None
+        self._last_end = 0.0
         self._between_steps = False
+        self._loss_at_step_end = False
+        self._forward_handle: Handle | None = None
         self._losses: list[torch.Tensor] = []  # this interval's micro-batch losses
         self._reset_window(0, 0)
 
@@ -119,18 +124,22 @@ class TrainMetrics(Callback):
         self._reset_window(engine.state.samples_seen, engine.state.tokens_seen)
         self._last_end = perf_counter()  # the first step's data wait includes opening the epoch
         self._between_steps = True
+        # One loss per step is read at on_step_end; with accumulation, each
+        # micro-batch's loss is kept from on_forward (a call per micro-batch
+        # only when there is more than one).
+        self._loss_at_step_end = self._log_loss and engine.config.grad_accum == 1
+        if self._log_loss and not self._loss_at_step_end and self._forward_handle is None:
+            self._forward_handle = engine.on(Event.ON_FORWARD, order=self.order)(self._keep_loss)
 
     def on_step_start(self, engine: Engine) -> None:
         now = perf_counter()
-        if self._last_end is not None:
-            self._data_time += now - self._last_end
+        self._data_time += now - self._last_end
         self._step_start = now
         self._between_steps = False
 
-    def on_forward(self, engine: Engine) -> None:
-        if self._log_loss:
-            # A reference to the detached loss: no copy, no host sync until the interval.
-            self._losses.append(engine.loss.detach())  # type: ignore[union-attr]
+    def _keep_loss(self, engine: Engine) -> None:
+        # A reference to the detached loss: no copy, no host sync until the interval.
+        self._losses.append(engine.loss.detach())  # type: ignore[union-attr]
 
     def on_step_end(self, engine: Engine) -> None:
         now = perf_counter()
@@ -138,6 +147,8 @@ class TrainMetrics(Callback):
         self._steps += 1
         self._last_end = now
         self._between_steps = True
+        if self._loss_at_step_end:
+            self._losses.append(engine.loss.detach())  # type: ignore[union-attr]
         if engine.state.step % self._interval == 0:  # the engine reduces right after on_step_end
             self._log_interval(engine)
 
@@ -152,8 +163,10 @@ class TrainMetrics(Callback):
             self._last_end = perf_counter()
 
     def on_teardown(self, engine: Engine) -> None:
-        self._last_end = None
         self._between_steps = False
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
 
     # -- per interval -----------------------------------------------------------
 

@@ -53,6 +53,22 @@ def test_loss_is_the_mean_of_every_micro_batch_loss_of_the_interval():
     assert set(logs[0][1]) == {"loss", "lr", "time.step", "time.data_wait", "throughput.samples_per_sec"}
 
 
+def test_without_accumulation_the_loss_is_read_once_per_step_and_nothing_listens_to_forward():
+    engine = make_engine([TrainMetrics()])
+    losses, forward_hooks = [], []
+    engine.on(cadence.Event.ON_STEP_END, order=99)(lambda e: losses.append(e.loss.item()))
+    engine.on(cadence.Event.ON_FIT_END)(lambda e: forward_hooks.append(len(e.hooks(cadence.Event.ON_FORWARD))))
+    logs = record_logs(engine)
+    engine.fit(steps=6)
+    assert forward_hooks == [0]
+    assert logs[0][1]["loss"] == pytest.approx(sum(losses[:3]) / 3, rel=1e-12)
+    assert logs[1][1]["loss"] == pytest.approx(sum(losses[3:]) / 3, rel=1e-12)
+    accumulating = make_engine([TrainMetrics()], grad_accum=2)
+    accumulating.on(cadence.Event.ON_FIT_END)(lambda e: forward_hooks.append(len(e.hooks(cadence.Event.ON_FORWARD))))
+    accumulating.fit(steps=2)
+    assert forward_hooks == [0, 1] and accumulating.hooks(cadence.Event.ON_FORWARD) == ()  # removed after the fit
+
+
 def test_throughput_is_samples_over_step_plus_data_wait_time():
     engine = make_engine([TrainMetrics()], log_interval=4)
     logs = record_logs(engine)
