@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from cadence.engine.backend import NULL_CONTEXT, Backend
+from cadence.engine.backend import NULL_CONTEXT, Backend, StepPlan
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine, EngineConfig
@@ -90,6 +90,13 @@ class LocalBackend(Backend):
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
+
+    def step_plan(self) -> StepPlan:
+        plan = super().step_plan()
+        # This class finishes gradients only to unscale fp16's (a subclass may do more).
+        if self.scaler is None and type(self).finish_gradients is LocalBackend.finish_gradients:
+            return attrs.evolve(plan, finish_gradients=None)
+        return plan
 
     def finish_gradients(self, engine: Engine) -> None:
         if self.scaler is not None:

@@ -15,9 +15,10 @@ DDP; a mesh backend may make them differ.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+import attrs
 import torch
 
 if TYPE_CHECKING:
@@ -30,6 +31,35 @@ Domain = Literal["data", "optimizer"]
 _NULL = contextlib.nullcontext()
 #: The context backends return when there is nothing to enter; the loop skips it.
 NULL_CONTEXT = _NULL
+
+
+@attrs.frozen
+class StepPlan:
+    """What the loop calls on every step, decided by the backend once per fit.
+
+    None means "nothing to do": the loop then makes no call at all, which on a
+    tiny step is measurable (every Python call between torch ops shows).
+
+    Attributes:
+        schedule: runs all of a step's micro-batches itself (pipeline), or None:
+            the loop runs them.
+        to_device: places a batch, or None: batches are used as given.
+        autocast: the context forward runs in (`NULL_CONTEXT`: none).
+        gradient_sync: `set_gradient_sync`, or None when there is nothing to sync.
+        backward: backpropagates a micro-batch's loss.
+        finish_gradients: makes gradients final (unscale), or None.
+        optimizer_step: steps the optimizers.
+        zero_grad: clears the gradients.
+    """
+
+    schedule: Callable[[Engine, Sequence[Any]], None] | None
+    to_device: Callable[[Any], Any] | None
+    autocast: contextlib.AbstractContextManager[Any]
+    gradient_sync: Callable[[bool], None] | None
+    backward: Callable[[torch.Tensor, int], None]
+    finish_gradients: Callable[[Engine], None] | None
+    optimizer_step: Callable[[Engine], None]
+    zero_grad: Callable[[Engine], None]
 
 
 class Backend:
@@ -72,6 +102,24 @@ class Backend:
         """Release what `setup` acquired (process groups it created)."""
 
     # -- the step ---------------------------------------------------------
+
+    def step_plan(self) -> StepPlan:
+        """The step's calls for the coming fit: methods a subclass leaves as the
+        base no-ops (`forward_backward`, `set_gradient_sync`,
+        `finish_gradients`) are None, so the loop skips them."""
+        return StepPlan(
+            schedule=self.forward_backward if self._overrides("forward_backward") else None,
+            to_device=self.to_device if self.moves_batches else None,
+            autocast=self.autocast(),
+            gradient_sync=self.set_gradient_sync if self._overrides("set_gradient_sync") else None,
+            backward=self.backward,
+            finish_gradients=self.finish_gradients if self._overrides("finish_gradients") else None,
+            optimizer_step=self.optimizer_step,
+            zero_grad=self.zero_grad,
+        )
+
+    def _overrides(self, name: str) -> bool:
+        return getattr(type(self), name) is not getattr(Backend, name)
 
     def forward_backward(self, engine: Engine, micro_batches: Sequence[Any]) -> None:
         """Run all of one optimizer step's micro-batches on the backend's own schedule.

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -333,8 +333,12 @@ class Engine:
         hooks, agreed = self.hooks_table, requests.agreed
         skip, stop = requests.index["skip"], requests.index["stop"]
         log_interval, eval_every = self.config.log_interval, self.config.eval_every_steps
-        schedule, to_device, forward = self._step_plan()
-        backward, gradient_sync = backend.backward, backend.set_gradient_sync
+        plan = backend.step_plan()  # what to call per step; None: nothing to do
+        schedule, to_device, sync, backward = plan.schedule, plan.to_device, plan.gradient_sync, plan.backward
+        finish, optimizer_step, zero_grad = plan.finish_gradients, plan.optimizer_step, plan.zero_grad
+        forward = (
+            self.compute_loss if plan.autocast is NULL_CONTEXT else partial(_within, plan.autocast, self.compute_loss)
+        )
         requests.clear_agreed()
         fire(Event.ON_FIT_START)
         while state.step < stop_step and state.epoch < stop_epoch and not agreed[stop]:
@@ -349,18 +353,18 @@ class Engine:
                     for i, batch in enumerate(micro_batches, 1):
                         self.batch = batch if to_device is None else to_device(batch)
                         hooks[_ON_BATCH] and fire(_ON_BATCH)
-                        gradient_sync(i == n)  # accumulate locally, sync on the last micro-batch
+                        sync is None or sync(i == n)  # accumulate locally, sync on the last micro-batch
                         self.outputs, self.loss = forward(self.batch)  # under autocast
                         hooks[_ON_FORWARD] and fire(_ON_FORWARD)
                         backward(self.loss, n)
                         hooks[_ON_BACKWARD] and fire(_ON_BACKWARD)
-                backend.finish_gradients(self)
+                finish is None or finish(self)  # e.g. unscale fp16 gradients
                 hooks[_ON_BEFORE_OPTIMIZER_STEP] and fire(_ON_BEFORE_OPTIMIZER_STEP)
                 backend.agree(requests)  # one small collective: skip / stop / save / ...
                 if not agreed[skip]:
-                    backend.optimizer_step(self)
+                    optimizer_step(self)
                     hooks[_ON_OPTIMIZER_STEP] and fire(_ON_OPTIMIZER_STEP)
-                backend.zero_grad(self)
+                zero_grad(self)
                 self._count_step(micro_batches, agreed[skip])
                 hooks[_ON_STEP_END] and fire(_ON_STEP_END)
                 if state.step % log_interval == 0:
@@ -372,19 +376,6 @@ class Engine:
             if self._epoch_iter is None or self._data_ran_out():
                 self._end_epoch()
         fire(Event.ON_FIT_END)
-
-    def _step_plan(self) -> tuple[Any, Callable[[Any], Any] | None, Callable[[Any], Any]]:
-        """What a step needs from the backend, looked up once per fit: its schedule
-        (if it overrides `forward_backward`), batch placement, and the forward
-        (`compute_loss`, inside the backend's autocast context if it has one)."""
-        backend = self.backend
-        overridden = type(backend).forward_backward is not Backend.forward_backward
-        autocast = backend.autocast()
-        return (
-            backend.forward_backward if overridden else None,
-            backend.to_device if backend.moves_batches else None,
-            self.compute_loss if autocast is NULL_CONTEXT else functools.partial(_within, autocast, self.compute_loss),
-        )
 
     def _steps_of_epoch(self) -> Iterator[Sequence[Any]]:
         """The micro-batches of each step until the epoch's data runs out.

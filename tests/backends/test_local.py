@@ -93,3 +93,28 @@ def test_fp32_has_no_autocast_context_so_the_step_enters_none():
 
     assert LocalBackend(device="cpu").autocast() is NULL_CONTEXT
     assert LocalBackend(device="cpu", precision="bf16").autocast() is not NULL_CONTEXT
+
+
+def test_the_step_plan_leaves_out_what_has_nothing_to_do():
+    from cadence.backends.ddp import DDPBackend
+
+    plan = LocalBackend(device="cpu").step_plan()
+    assert plan.schedule is None and plan.to_device is None
+    assert plan.gradient_sync is None and plan.finish_gradients is None  # fp32, one process
+    assert ConcatSchedule().step_plan().schedule is not None
+    assert DDPBackend(device="cpu").step_plan().gradient_sync is not None
+
+
+class ZeroGradients(LocalBackend):
+    """Finishes gradients by zeroing them: a step that changes nothing."""
+
+    def finish_gradients(self, engine):
+        for p in engine.model.parameters():
+            p.grad.zero_()
+
+
+def test_a_backend_that_finishes_gradients_is_called_every_step():
+    before = [p.detach().clone() for p in tiny_model().parameters()]
+    engine, _ = train(ZeroGradients(device="cpu"), grad_accum=1)
+    assert engine.state.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))  # SGD without momentum
