@@ -9,7 +9,7 @@ metrics. See docs/observability.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -245,6 +245,42 @@ def default_callbacks() -> list[Callback]:
 # -- helpers shared by the sinks -------------------------------------------------
 
 
+class LineThrottle:
+    """At most one training line per `interval` seconds, for the human-readable sinks.
+
+    Evaluation lines are always written (after a held-back training line, so
+    the order is kept), and the last held-back line when the fit ends. A line
+    is a zero-argument callable that writes it, so a throttled line costs no
+    formatting. `interval=0` writes every line. JSONL keeps every logged step.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.reset()
+
+    def reset(self) -> None:
+        self._last = -math.inf
+        self._held: Callable[[], None] | None = None
+
+    def offer(self, write: Callable[[], None], *, always: bool = False) -> None:
+        if always:
+            self.flush()
+            write()
+            return
+        now = perf_counter()
+        if now - self._last >= self.interval:
+            self._held, self._last = None, now
+            write()
+        else:
+            self._held = write
+
+    def flush(self) -> None:
+        """Write the held-back line, if any (at fit end, before an evaluation line)."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            held()
+
+
 def is_main(engine: Engine) -> bool:
     """True on the global main process, the one that writes logs."""
     return bool(engine.backend.is_main)
@@ -280,4 +316,4 @@ def flat_config(run_config: Any) -> dict[str, Any]:
     return flat
 
 
-__all__ = ["TrainMetrics", "TrainMetricsConfig", "default_callbacks", "learning_rates"]
+__all__ = ["LineThrottle", "TrainMetrics", "TrainMetricsConfig", "default_callbacks", "learning_rates"]

@@ -10,7 +10,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from cadence.callbacks.metrics import is_main
+from cadence.callbacks.metrics import LineThrottle, is_main
 from cadence.engine import config as config_module
 from cadence.engine.bus import Handle
 from cadence.engine.callback import Callback
@@ -97,8 +97,7 @@ class ProgressBar(Callback):
         self._postfix: dict[str, str] = {}
         self._fit_start = 0.0
         self._fit_start_step = 0
-        self._last_line = -math.inf  # when the last training line was written
-        self._unwritten: str | None = None  # the latest training line held back
+        self._throttle = LineThrottle(self.config.line_interval)
         self._step_handles: list[Handle] = []
 
     # -- setup ------------------------------------------------------------------
@@ -107,7 +106,7 @@ class ProgressBar(Callback):
         self._active = is_main(engine)
         self._lines = self._active and self._use_lines()
         self._fit_start, self._fit_start_step = time.perf_counter(), engine.state.step
-        self._last_line, self._unwritten = -math.inf, None
+        self._throttle.reset()
         if self._active and not self._lines and not self._step_handles:
             # Per-step work only when a bar is shown: lines and other ranks cost no call per step.
             self._step_handles = [
@@ -153,50 +152,39 @@ class ProgressBar(Callback):
     def on_log(self, engine: Engine) -> None:
         if not self._active:
             return
-        shown = {
-            short_name(name): _format(engine.logged[name]) for name in self.config.metrics if name in engine.logged
-        }
-        self._postfix.update(shown)
+        values = {name: engine.logged[name] for name in self.config.metrics if name in engine.logged}
         if self._lines:
-            self._maybe_write_line(engine, shown)
-        elif self.bar is not None:
+            self._offer_line(engine, values)
+            return
+        self._postfix.update({short_name(name): _format(value) for name, value in values.items()})
+        if self.bar is not None:
             self.bar.set_postfix(self._postfix, refresh=False)
 
-    def _maybe_write_line(self, engine: Engine, shown: dict[str, str]) -> None:
-        now = time.perf_counter()
-        line = self._line(engine, shown, now)
-        if self._in_eval:  # results are always shown, after the training line they follow
-            self._write_held_back()
-            self._write(line)
-        elif now - self._last_line >= self.config.line_interval:
-            self._write(line)
-            self._unwritten, self._last_line = None, now
-        else:
-            self._unwritten = line
-
-    def _write_held_back(self) -> None:
-        if self._unwritten is not None:
-            self._write(self._unwritten)
-            self._unwritten = None
+    def _offer_line(self, engine: Engine, values: dict[str, Any]) -> None:
+        state, now, in_eval = engine.state, time.perf_counter(), self._in_eval
+        step, epoch, target = state.step, state.epoch, engine.fit_target
+        # Formatted only if written (a throttled line costs a closure).
+        self._throttle.offer(lambda: self._write(self._line(step, epoch, target, in_eval, values, now)), always=in_eval)
 
     def _write(self, text: str) -> None:
         stream = self._stream()
         stream.write(text)
         stream.flush()
 
-    def _line(self, engine: Engine, shown: dict[str, str], now: float) -> str:
-        state = engine.state
-        stop_step, stop_epoch = engine.fit_target
-        where = f"step {state.step}" + (f"/{stop_step}" if math.isfinite(stop_step) else "")
-        where += f" epoch {state.epoch}" + (f"/{stop_epoch}" if math.isfinite(stop_epoch) else "")
-        if self._in_eval:
+    def _line(
+        self, step: int, epoch: int, target: tuple[float, float], in_eval: bool, values: dict[str, Any], now: float
+    ) -> str:
+        stop_step, stop_epoch = target
+        where = f"step {step}" + (f"/{stop_step}" if math.isfinite(stop_step) else "")
+        where += f" epoch {epoch}" + (f"/{stop_epoch}" if math.isfinite(stop_epoch) else "")
+        if in_eval:
             where += " eval"
         elapsed = now - self._fit_start
-        done = state.step - self._fit_start_step
+        done = step - self._fit_start_step
         timing = f"elapsed {_clock(elapsed)}"
         if done > 0 and math.isfinite(stop_step):
-            timing += f" eta {_clock(elapsed / done * max(0, stop_step - state.step))}"
-        metrics = " ".join(f"{k}={v}" for k, v in shown.items())
+            timing += f" eta {_clock(elapsed / done * max(0, stop_step - step))}"
+        metrics = " ".join(f"{short_name(k)}={_format(v)}" for k, v in values.items())
         return f"{where} | {metrics} | {timing}\n" if metrics else f"{where} | {timing}\n"
 
     # -- the bar ----------------------------------------------------------------
@@ -237,7 +225,7 @@ class ProgressBar(Callback):
             self.bar = None
 
     def on_fit_end(self, engine: Engine) -> None:
-        self._write_held_back()  # the fit's last logged state
+        self._throttle.flush()  # the fit's last logged state
         self._close()
 
     def on_teardown(self, engine: Engine) -> None:

@@ -9,7 +9,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.callbacks.metrics import eval_split, is_main
+from cadence.callbacks.metrics import LineThrottle, eval_split, is_main
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
@@ -33,7 +33,10 @@ class TextLogConfig:
         console_metrics: also show the metric lines on the console; None: only
             when no `ProgressBar` is registered (the bar already shows them).
         format: the `logging.Formatter` format of both handlers.
-        metrics: log a line per `on_log` to the `cadence.metrics` logger.
+        metrics: log metric lines to the `cadence.metrics` logger.
+        metrics_interval: at most one training metric line per this many seconds
+            (evaluation lines and the fit's last state are always logged); 0 logs
+            one per `on_log`. `JSONL` keeps every logged step.
     """
 
     level: str = "INFO"
@@ -42,6 +45,7 @@ class TextLogConfig:
     console_metrics: bool | None = None
     format: str = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     metrics: bool = True
+    metrics_interval: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(logging.getLevelName(self.level.upper()), int):
@@ -80,11 +84,16 @@ class TextLog(Callback):
         self._handlers: list[logging.Handler] = []
         self._previous_level: int | None = None
         self._in_eval = False
+        self._throttle = LineThrottle(self.config.metrics_interval)
 
     # -- install / remove ---------------------------------------------------------
 
     def on_fit_start(self, engine: Engine) -> None:
         self._install(engine)
+        self._throttle.reset()
+
+    def on_fit_end(self, engine: Engine) -> None:
+        self._throttle.flush()  # the fit's last logged state
 
     def on_eval_start(self, engine: Engine) -> None:
         self._in_eval = True
@@ -140,12 +149,9 @@ class TextLog(Callback):
     def on_log(self, engine: Engine) -> None:
         if not self._handlers or not self.config.metrics:
             return
-        state = engine.state
-        where = f"step {state.step} epoch {state.epoch}"
-        if self._in_eval:
-            where += f" eval {eval_split(engine.logged)}"
-        metrics = " ".join(f"{name}={_format(value)}" for name, value in engine.logged.items())
-        logging.getLogger(METRICS_LOGGER).info("%s | %s", where, metrics)
+        state, logged, in_eval = engine.state, engine.logged, self._in_eval
+        step, epoch = state.step, state.epoch
+        self._throttle.offer(lambda: _log_metrics(step, epoch, logged, in_eval), always=in_eval)
 
 
 class TqdmHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -164,6 +170,12 @@ class TqdmHandler(logging.StreamHandler):  # type: ignore[type-arg]
 class _NotMetrics(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return record.name != METRICS_LOGGER
+
+
+def _log_metrics(step: int, epoch: int, logged: dict[str, Any], in_eval: bool) -> None:
+    where = f"step {step} epoch {epoch}" + (f" eval {eval_split(logged)}" if in_eval else "")
+    metrics = " ".join(f"{name}={_format(value)}" for name, value in logged.items())
+    logging.getLogger(METRICS_LOGGER).info("%s | %s", where, metrics)
 
 
 def _format(value: Any) -> str:

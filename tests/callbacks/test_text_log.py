@@ -73,6 +73,16 @@ def test_fit_twice_appends_to_one_file_and_no_handler_accumulates(tmp_path):
     ]
 
 
+def test_metric_lines_are_throttled_but_evaluations_and_the_last_state_are_logged(tmp_path):
+    text_log = TextLog(console=False, metrics_interval=3600)
+    engine = make_engine([TrainMetrics(), text_log], workspace=str(tmp_path), eval_data=tiny_batches(1))
+    engine.fit(steps=8)  # logs at 2, 4, 6, 8; the epoch ends at 8 with an evaluation
+    assert text_log.path is not None
+    lines = [line.split(" INFO cadence.metrics: ")[1].split(" | ")[0] for line in text_log.path.read_text().splitlines()
+             if "cadence.metrics" in line]  # fmt: skip
+    assert lines == ["step 2 epoch 0", "step 8 epoch 0", "step 8 epoch 1 eval val"]
+
+
 def test_console_metrics_left_to_the_progress_bar(tmp_path):
     console = io.StringIO()
     engine = make_engine(
