@@ -70,11 +70,21 @@ class MetricStore:
         # device-to-host copy of every logged tensor (the sync point), local
         # reductions in Python float64, one all_gather of the packed pairs.
         names = self.names()
+        values = self._host_values(names)
+        pairs = [_local_pair(self._series[name], values[name]) for name in names]
+        if backend.data_size == 1:  # one data rank: nothing to gather or compare
+            result = {name: _finish(self._series[name].reduce, [a], [b]) for name, (a, b) in zip(names, pairs)}
+        else:
+            result = self._gather(backend, names, pairs)
+        if reset:
+            self.reset()
+        return result
+
+    def _gather(self, backend: Backend, names: list[str], pairs: list[tuple[float, float]]) -> dict[str, float]:
         device = backend.device
-        pairs = [x for name in names for x in _local_pair(self._series[name], self._host_values(name))]
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        local = torch.tensor([float(zlib.crc32("\0".join(names).encode())), *pairs], dtype=dtype, device=device)
-        rows = backend.all_gather(local, domain="data").tolist()
+        packed = [float(zlib.crc32("\0".join(names).encode())), *(x for pair in pairs for x in pair)]
+        rows = backend.all_gather(torch.tensor(packed, dtype=dtype, device=device), domain="data").tolist()
         if any(row[0] != rows[0][0] for row in rows):
             raise RuntimeError(
                 f"ranks logged different metrics since the last reduction (this rank: {names}); "
@@ -85,8 +95,6 @@ class MetricStore:
             a = [row[1 + 2 * i] for row in rows]
             b = [row[2 + 2 * i] for row in rows]
             result[name] = _finish(self._series[name].reduce, a, b)
-        if reset:
-            self.reset()
         return result
 
     def __contains__(self, name: object) -> bool:
@@ -94,34 +102,37 @@ class MetricStore:
         series = self._series.get(name) if isinstance(name, str) else None
         return series is not None and bool(series.values)
 
-    def _host_values(self, name: str) -> list[float]:
-        """The pending values of `name` as floats, tensors copied in one go per device."""
-        values: list[Any] = list(self._series[name].values)
-        by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
-        for i, value in enumerate(values):
-            if isinstance(value, torch.Tensor):
-                if value.dim():
-                    if value.numel() != 1:
-                        raise ValueError(
-                            f"metric {name!r}: engine.log needs a scalar, got a tensor of shape {tuple(value.shape)}; "
-                            "log a reduced value such as tensor.mean()"
-                        )
-                    value = value.reshape(())
-                slots, tensors = by_device.setdefault(value.device, ([], []))
-                slots.append(i)
-                tensors.append(value)
-            else:
-                try:
-                    values[i] = float(value)
-                except (TypeError, ValueError):
-                    raise TypeError(
-                        f"metric {name!r}: engine.log needs a number or a scalar tensor, got {type(value).__name__} {value!r}"
-                    ) from None
+    def _host_values(self, names: list[str]) -> dict[str, list[float]]:
+        """The pending values of every metric as floats; tensors copied in one go per device."""
+        result: dict[str, list[Any]] = {}
+        by_device: dict[torch.device, tuple[list[tuple[list[Any], int]], list[torch.Tensor]]] = {}
+        for name in names:
+            values = result[name] = list(self._series[name].values)
+            for i, value in enumerate(values):
+                if isinstance(value, torch.Tensor):
+                    if value.dim():
+                        if value.numel() != 1:
+                            raise ValueError(
+                                f"metric {name!r}: engine.log needs a scalar, got a tensor of shape "
+                                f"{tuple(value.shape)}; log a reduced value such as tensor.mean()"
+                            )
+                        value = value.reshape(())
+                    slots, tensors = by_device.setdefault(value.device, ([], []))
+                    slots.append((values, i))
+                    tensors.append(value)
+                else:
+                    try:
+                        values[i] = float(value)
+                    except (TypeError, ValueError):
+                        raise TypeError(
+                            f"metric {name!r}: engine.log needs a number or a scalar tensor, "
+                            f"got {type(value).__name__} {value!r}"
+                        ) from None
         for slots, tensors in by_device.values():
             # One copy (and sync) per device; detach so no graph is built for it.
-            for i, host in zip(slots, torch.stack([t.detach() for t in tensors]).tolist()):
+            for (values, i), host in zip(slots, torch.stack([t.detach() for t in tensors]).tolist()):
                 values[i] = float(host)
-        return values
+        return result
 
 
 def _local_pair(series: _Series, values: list[float]) -> tuple[float, float]:
