@@ -25,32 +25,24 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
-import ctypes
 import errno
 import functools
 import os
-import sys
-import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cadence.backends.direct_io import ALIGN, LINUX, O_DIRECT, Prefault, aligned_empty, cached_fraction
 from cadence.backends.file_io import CHUNK, TensorChecksum, _flat_bytes
 from cadence.engine.checkpoint import CheckpointError
 
-ALIGN = 4096  # file offsets, lengths and addresses of direct reads (any logical block size up to 4 KiB)
 BIG = 1 << 20  # tensors of at least this many bytes get their own aligned buffer (no copy)
 DIRECT_MIN = 8 << 20  # smaller files are read through the page cache
 IN_FLIGHT = 2  # direct reads under way at once: the disk never waits for the next request
-PREFAULT_THREADS = 2  # faulting in memory the host has taken back is CPU-bound: faster on two cores
-PREFAULT_NICE = 10  # ... but it is work ahead: lower priority (Linux: per thread)
 _THREADED = 8 << 20  # below this a second thread (checksum, prefault) costs more than it saves
-_HUGE = 2 << 20
-_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
-_LINUX = sys.platform.startswith("linux")
-_O_DIRECT = getattr(os, "O_DIRECT", 0) if _LINUX else 0
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 Entry = tuple[Any, ...]  # (index, offset, nbytes, dtype, shape)
@@ -74,10 +66,12 @@ class TensorReads:
     """
 
     def __init__(self, files: list[tuple[Path, list[Entry]]], out: dict[int, torch.Tensor] | None, direct: bool | None):
-        self.files, self.out, self.direct = files, out, direct
+        self.files, self.out = files, out
         self.plans: list[list[Group]] = []
         self.buffers: list[list[torch.Tensor]] = []
+        self.direct: list[bool] = []
         pieces: list[torch.Tensor] = []
+        scratch = 0
         for path, entries in files:
             position = 0
             for _, offset, nbytes, *_ in entries:
@@ -85,54 +79,70 @@ class TensorReads:
                     raise CheckpointError(f"{path.name}: tensor table out of order at byte {offset}", path=path.parent)
                 position = offset + nbytes
             plan = _plan(entries, BIG if out is not None else None)
-            own = [_aligned_empty(_span(group)[1] - _span(group)[0]) for kind, group in plan if kind == "own"]
+            own = [aligned_empty(_span(group)[1] - _span(group)[0]) for kind, group in plan if kind == "own"]
             self.plans.append(plan)
             self.buffers.append(own)
             pieces += [buffer[i : i + CHUNK] for buffer in own for i in range(0, buffer.numel(), CHUNK)]
-        self.prefault = _Prefault(pieces) if sum(p.numel() for p in pieces) >= _THREADED else None
+            self.direct.append(_choose_direct(path, position, direct))
+            if any(kind != "own" for kind, _ in plan):
+                scratch = max(scratch, min(CHUNK, position) + 2 * ALIGN)
+        # What maps memory (allocations, mincore) comes before the prefault threads hold the process's memory
+        # map for long stretches; so do the other threads, which start slowly once those compete for the CPU.
+        self.scratch = aligned_empty(scratch) if scratch else None
         self._pool = concurrent.futures.ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="cadence-read")
+        self._sums = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cadence-checksum")
+        if out is not None:  # start every thread now (a pool starts one per busy submit)
+            for future in [self._pool.submit(time.sleep, 0.001) for _ in range(IN_FLIGHT)] + [self._sums.submit(int)]:
+                future.result()
         self._inflight: collections.deque[tuple[concurrent.futures.Future[None], Any]] = collections.deque()
+        self.prefault = Prefault(pieces) if sum(p.numel() for p in pieces) >= _THREADED else None
 
     def __enter__(self) -> TensorReads:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown()
+        self._sums.shutdown()
         if self.prefault is not None:
             self.prefault.close()
 
     def read(self, i: int) -> int:
         path, entries = self.files[i]
         size = entries[-1][1] + entries[-1][2] if entries else 0
-        checksum = TensorChecksum(threaded=self.out is not None and size >= _THREADED)  # a reused buffer: inline
+        checksum = TensorChecksum(threaded=False)
+        sums: list[concurrent.futures.Future[None]] = []
+        feed: Callable[[torch.Tensor], None] = checksum.update  # inline: small files, and a check's reused buffer
+        if self.out is not None and size >= _THREADED:  # in the checksum thread, in order, as pieces arrive
+            feed = lambda piece: sums.append(self._sums.submit(checksum.update, piece))  # noqa: E731
         try:
-            with _Reader(path, size, self.direct) as reader:
+            with _Reader(path, self.direct[i]) as reader:
                 try:
-                    self._read_groups(i, reader, checksum)
+                    self._read_groups(i, reader, feed)
                 finally:
                     self._settle(0, errors=False)  # no read may still run once the file is closed
         finally:
-            value = checksum.finish()
-        return value
+            concurrent.futures.wait(sums)
+        for future in sums:
+            future.result()
+        return checksum.value
 
-    def _read_groups(self, i: int, reader: _Reader, checksum: TensorChecksum) -> None:
-        scratch = None
+    def _read_groups(self, i: int, reader: _Reader, feed: Callable[[torch.Tensor], None]) -> None:
         buffers = iter(self.buffers[i])
         for kind, group in self.plans[i]:
             if kind == "own":
-                self._read_own(reader, group[0], next(buffers), checksum)
+                self._read_own(reader, group[0], next(buffers), feed)
                 continue
             self._settle(0)
-            if scratch is None:
-                last = self.files[i][1][-1]
-                scratch = _aligned_empty(min(CHUNK, last[1] + last[2]) + 2 * ALIGN)
+            assert self.scratch is not None
             if kind == "pack":
-                _read_pack(reader, group, scratch, checksum, self.out)
+                _read_pack(reader, group, self.scratch, feed, self.out)
             else:
-                _read_stream(reader, group[0], scratch, checksum)
+                _read_stream(reader, group[0], self.scratch, feed)
         self._settle(0)
 
-    def _read_own(self, reader: _Reader, entry: Entry, buffer: torch.Tensor, checksum: TensorChecksum) -> None:
+    def _read_own(
+        self, reader: _Reader, entry: Entry, buffer: torch.Tensor, feed: Callable[[torch.Tensor], None]
+    ) -> None:
         """Read a large tensor into its buffer, a piece at a time with the next piece's read already under way."""
         assert self.out is not None
         index, offset, nbytes, dtype, shape = entry
@@ -144,7 +154,7 @@ class TensorReads:
             nonlocal fed
             ready = min(nbytes, end - offset)
             while fed < nbytes and min(fed + CHUNK, nbytes) <= ready:  # pieces start at the tensor's start
-                checksum.update(flat[fed : fed + CHUNK])
+                feed(flat[fed : fed + CHUNK])
                 fed += CHUNK
             if fed >= nbytes:
                 assert self.out is not None
@@ -203,7 +213,7 @@ def _span(group: list[Entry]) -> tuple[int, int]:
 
 
 def _read_pack(
-    reader: _Reader, group: list[Entry], scratch: torch.Tensor, checksum: TensorChecksum, out: dict[int, Any] | None
+    reader: _Reader, group: list[Entry], scratch: torch.Tensor, feed: Callable[[torch.Tensor], None], out: Any
 ) -> None:
     start, end = _span(group)
     last = group[-1]
@@ -211,16 +221,16 @@ def _read_pack(
     for index, offset, nbytes, dtype, shape in group:
         data = scratch[offset - start : offset - start + nbytes]
         if out is None:
-            checksum.update(data)  # inline: the scratch buffer is reused
+            feed(data)  # inline: the scratch buffer is reused
             continue
         tensor = torch.empty(shape, dtype=getattr(torch, dtype))
         flat = _flat_bytes(tensor)
         flat.copy_(data)
-        checksum.update(flat)
+        feed(flat)
         out[index] = tensor
 
 
-def _read_stream(reader: _Reader, entry: Entry, scratch: torch.Tensor, checksum: TensorChecksum) -> None:
+def _read_stream(reader: _Reader, entry: Entry, scratch: torch.Tensor, feed: Callable[[torch.Tensor], None]) -> None:
     """Checksum one tensor larger than the scratch buffer, a piece at a time (checking only)."""
     _, offset, nbytes, *_ = entry
     for piece in range(0, nbytes, CHUNK):
@@ -228,7 +238,7 @@ def _read_stream(reader: _Reader, entry: Entry, scratch: torch.Tensor, checksum:
         start = (offset + piece) // ALIGN * ALIGN
         skip = offset + piece - start
         reader.read(scratch[: -(-(skip + length) // ALIGN) * ALIGN], start, skip + length)
-        checksum.update(scratch[skip : skip + length])
+        feed(scratch[skip : skip + length])
 
 
 def _typed(flat: torch.Tensor, dtype: str, shape: Any) -> torch.Tensor:
@@ -241,33 +251,21 @@ def _typed(flat: torch.Tensor, dtype: str, shape: Any) -> torch.Tensor:
         return tensor
 
 
-def _aligned_empty(nbytes: int) -> torch.Tensor:
-    """Uninitialized bytes starting on an ALIGN boundary; huge pages advised where the kernel has them."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % ALIGN
-    buffer = raw[skip : skip + nbytes]
-    if nbytes >= 2 * _HUGE:
-        first = -(-buffer.data_ptr() // _HUGE) * _HUGE
-        last = (buffer.data_ptr() + nbytes) // _HUGE * _HUGE
-        _madvise(first, last - first, _MADV_HUGEPAGE)
-    return buffer
-
-
 class _Reader:
     """Reads aligned ranges of one file, directly or through the page cache (thread-safe)."""
 
-    def __init__(self, path: Path, size: int, direct: bool | None) -> None:
+    def __init__(self, path: Path, direct: bool) -> None:
         self.path = path
         self.plain = os.open(path, os.O_RDONLY | _CLOEXEC)
         self.direct: int | None = None
         self.refused = False
         try:
-            if _O_DIRECT and size and direct is not False and (direct or _direct_pays(self.plain, size)):
+            if direct:
                 try:
-                    self.direct = os.open(path, os.O_RDONLY | _O_DIRECT | _CLOEXEC)
+                    self.direct = os.open(path, os.O_RDONLY | O_DIRECT | _CLOEXEC)
                 except OSError:  # a filesystem without direct I/O (tmpfs, some network mounts)
                     pass
-            if self.direct is None and _LINUX:  # a larger readahead window for this long sequential read
+            if self.direct is None and LINUX:  # a larger readahead window for this long sequential read
                 os.posix_fadvise(self.plain, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except BaseException:
             os.close(self.plain)
@@ -299,104 +297,19 @@ class _Reader:
             done += n
 
 
-class _Prefault:
-    """Faults in the pages of the buffers the reads will fill, in their order, ahead of the reads.
-
-    The calling thread does the first piece (the first read must not wait); reads
-    that overtake the threads fault their pages themselves, and pieces behind them
-    are skipped.
-    """
-
-    def __init__(self, pieces: list[torch.Tensor]) -> None:
-        self._order = {piece.data_ptr(): n for n, piece in enumerate(pieces)}
-        self._reached = 0
-        self._stop = False
-        self._pending = iter(enumerate(pieces[1:], 1))
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._run, name="cadence-prefault", daemon=True) for _ in range(PREFAULT_THREADS)
-        ]
-        for thread in self._threads:
-            thread.start()
-        if not _populate(pieces[0]):  # not supported here (Linux < 5.14)
-            self._stop = True
-
-    def reached(self, piece: torch.Tensor) -> None:
-        """The reads are at this piece now."""
-        self._reached = self._order.get(piece.data_ptr(), self._reached)
-
-    def _run(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):  # work ahead: the reads and checksums come first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICE)
-        while not self._stop:
-            with self._lock:
-                n, piece = next(self._pending, (0, None))
-            if piece is None:
-                return
-            if n > self._reached:
-                _populate(piece)
-
-    def close(self) -> None:
-        self._stop = True
-        for thread in self._threads:
-            thread.join()
-
-
-# -- the kernel's help (Linux; elsewhere these do nothing) ---------------------------------
-
-_libc: Any = None
-
-
-def _lib() -> Any:
-    global _libc
-    if _libc is None:
-        _libc = False
-        if _LINUX:
-            try:
-                lib = ctypes.CDLL(None, use_errno=True)
-                lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-                integers = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]  # prot, flags, fd, offset
-                lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *integers]
-                lib.mmap.restype = ctypes.c_void_p
-                lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-                _libc = lib
-            except (OSError, AttributeError):
-                pass
-    return _libc
-
-
-def _madvise(address: int, length: int, advice: int) -> bool:
-    """madvise on the whole pages inside [address, address + length); False if it failed."""
-    lib = _lib()
-    first = -(-address // ALIGN) * ALIGN
-    last = (address + length) // ALIGN * ALIGN
-    if not lib or last <= first:
-        return bool(lib)
-    return lib.madvise(first, last - first, advice) == 0  # the call releases the GIL
-
-
-def _populate(piece: torch.Tensor) -> bool:
-    return _madvise(piece.data_ptr(), piece.numel(), _MADV_POPULATE_WRITE)
-
-
-def cached_fraction(fd: int, size: int) -> float:
-    """The fraction of a file's pages in the page cache (mincore on a mapping that is never touched)."""
-    lib = _lib()
-    if not lib or size <= 0:
-        return 0.0
-    prot_read, map_shared = 1, 1
-    address = lib.mmap(None, size, prot_read, map_shared, fd, 0)
-    if address is None or address == ctypes.c_void_p(-1).value:
-        return 0.0
+def _choose_direct(path: Path, size: int, direct: bool | None) -> bool:
+    if not O_DIRECT or not size or direct is False:
+        return False
+    if direct:
+        return True
     try:
-        pages = -(-size // os.sysconf("SC_PAGE_SIZE"))
-        vector = ctypes.create_string_buffer(pages)
-        if lib.mincore(address, size, vector) != 0:
-            return 0.0
-        return 1.0 - vector.raw.count(0) / pages
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    except OSError:
+        return False  # the read says what is wrong
+    try:
+        return _direct_pays(fd, size)
     finally:
-        lib.munmap(address, size)
+        os.close(fd)
 
 
 def _direct_pays(fd: int, size: int) -> bool:
