@@ -342,6 +342,8 @@ class Reaper:
                 self._thread.start()
 
     def _run(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # cleanup: the loop and the saves come first (Linux)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while True:
             with self._lock:
                 if not self._queue:
