@@ -28,6 +28,7 @@ import concurrent.futures
 import errno
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ DIRECT_MIN = 8 << 20  # smaller files are read through the page cache
 IN_FLIGHT = 2  # direct reads under way at once: the disk never waits for the next request
 _THREADED = 8 << 20  # below this a second thread (checksum, prefault) costs more than it saves
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_PREADV = hasattr(os, "preadv")
 
 Entry = tuple[Any, ...]  # (index, offset, nbytes, dtype, shape)
 Group = tuple[str, list[Entry]]
@@ -256,9 +258,10 @@ class _Reader:
 
     def __init__(self, path: Path, direct: bool) -> None:
         self.path = path
-        self.plain = os.open(path, os.O_RDONLY | _CLOEXEC)
+        self.plain = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | _CLOEXEC)
         self.direct: int | None = None
         self.refused = False
+        self._seek = threading.Lock()  # where there is no positioned read (Windows)
         try:
             if direct:
                 try:
@@ -286,7 +289,7 @@ class _Reader:
         while done < need:
             direct = self.direct is not None and not self.refused and done % ALIGN == 0  # else a short read left it
             try:
-                n = os.preadv(self.direct if direct else self.plain, [memory[done:]], offset + done)  # type: ignore[arg-type]
+                n = self._pread(self.direct if direct else self.plain, memory[done:], offset + done)  # type: ignore[arg-type]
             except OSError as exc:
                 if not (direct and exc.errno == errno.EINVAL):
                     raise
@@ -295,6 +298,15 @@ class _Reader:
             if not n:
                 raise CheckpointError(f"{self.path.name} ends early: the file is truncated", path=self.path.parent)
             done += n
+
+    def _pread(self, fd: int, memory: memoryview, offset: int) -> int:
+        if _PREADV:
+            return os.preadv(fd, [memory], offset)
+        with self._seek:
+            os.lseek(fd, offset, os.SEEK_SET)
+            data = os.read(fd, len(memory))
+        memory[: len(data)] = data
+        return len(data)
 
 
 def _choose_direct(path: Path, size: int, direct: bool | None) -> bool:

@@ -138,3 +138,11 @@ def test_direct_reads_are_chosen_for_large_files_not_in_the_page_cache(tmp_path:
         assert not file_read._direct_pays(fd, file_read.DIRECT_MIN - 1)  # small files: the page cache
     finally:
         os.close(fd)
+
+
+def test_reads_without_positioned_reads(tmp_path: Path, monkeypatch) -> None:
+    """Where os.preadv is missing (Windows), reads seek under a lock."""
+    store = write(tmp_path, direct_io=False)
+    monkeypatch.setattr(file_read, "_PREADV", False)
+    store.verify("latest")
+    assert_model(store.read("latest"))
