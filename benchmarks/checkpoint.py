@@ -7,13 +7,16 @@
 Measured in one run, on the same disk (the folder given by --dir):
 
 - durable sync save: `Checkpoint.save` (payload, write, fsync, atomic commit), against
-  `dd if=/dev/zero of=... bs=1M count=N conv=fdatasync` of the same size;
+  `dd if=<random bytes> of=... bs=1M count=N conv=fdatasync`: the same number of real
+  bytes, from a file of random bytes in memory (/dev/shm, or a cached file here), to the
+  same disk. For information also against `dd if=/dev/zero`, which some virtual disks
+  store faster than real data (about 20% here);
 - restore: `load_checkpoint` (read, verify every checksum, load into the engine) from a
-  cold cache, against `dd if=<file of that size> of=/dev/null bs=1M` from a cold cache, and
-  (for information) against reading that file, cold, into newly allocated memory, which any
-  loader that materializes tensors pays and dd, streaming through one 1 MB buffer, does not.
-  Cold: the files' pages are evicted with posix_fadvise(DONTNEED) after an fsync (no
-  root needed), plus `echo 3 > /proc/sys/vm/drop_caches` with --drop-caches;
+  cold cache, against `dd if=<that file of random bytes> of=/dev/null bs=1M` from a cold
+  cache, and (for information) against reading that file, cold, into newly allocated
+  memory, which any loader that materializes tensors pays and dd, streaming through one
+  1 MB buffer, does not. Cold: the files' pages are evicted with posix_fadvise(DONTNEED)
+  after an fsync (no root needed), plus `echo 3 > /proc/sys/vm/drop_caches` with --drop-caches;
 - async: the time `Checkpoint.save` blocks the loop in async mode (snapshot into the
   reused CPU staging buffers), from the second save on, as a fraction of a sync save.
 
@@ -23,7 +26,8 @@ the same state (the previous checkpoint's removal done, nothing dirty, the bench
 evicted from the page cache). That last point matters on virtual machines that back guest
 memory lazily: writing into page cache that was not freed just before can cost twice as
 much, and `dd` after deleting its previous file always reuses just-freed pages.
-Targets: save >= 90% of dd, restore >= 90% of the cold read, async <= 20% of a sync save.
+Targets: save >= 90% of dd (real bytes), restore >= 90% of the cold dd read, async <= 20% of
+a sync save. The load average is printed before and after: other work on the machine counts.
 """
 
 from __future__ import annotations
@@ -109,20 +113,27 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=args.dir or "."))
     if args.drop_caches and os.geteuid() != 0:
         sys.exit("--drop-caches needs root")
+    shm = Path("/dev/shm")
+    source = Path(tempfile.mkstemp(prefix=".bench-checkpoint-", suffix=".random", dir=shm if shm.is_dir() else root)[1])
     try:
-        run(root, args)
+        print("load average (1, 5, 15 min) at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+        run(root, source, args)
+        print("load average (1, 5, 15 min) at end:   {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     finally:
+        source.unlink(missing_ok=True)
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run(root: Path, args: argparse.Namespace) -> None:
-    results: dict[str, list[float]] = {k: [] for k in ("save", "dd_write", "restore", "dd_read", "read_new", "async")}
-    size = measure_sync(root, args, results)
+def run(root: Path, source: Path, args: argparse.Namespace) -> None:
+    keys = ("save", "dd_write", "dd_zero", "restore", "dd_read", "read_new", "async")
+    results: dict[str, list[float]] = {k: [] for k in keys}
+    size = measure_sync(root, source, args, results)
     measure_async(root, args, results)
     median = {k: statistics.median(v) for k, v in results.items()}
     rate = lambda seconds: size / seconds / 1e9  # noqa: E731
     rows = [
-        ("durable sync save", "save", "dd conv=fdatasync", "dd_write", ">= 0.90"),
+        ("durable sync save", "save", "dd fdatasync, random", "dd_write", ">= 0.90"),
+        ("durable sync save", "save", "dd fdatasync, zeros", "dd_zero", "(info)"),
         ("restore (cold)", "restore", "dd read (cold)", "dd_read", ">= 0.90"),
         ("restore (cold)", "restore", "read into new memory", "read_new", "(info)"),
         ("async save, loop blocked", "async", "sync save", "save", "<= 0.20"),
@@ -135,12 +146,21 @@ def run(root: Path, args: argparse.Namespace) -> None:
     print("\nall runs (s):", {k: [round(x, 3) for x in v] for k, v in results.items()})
 
 
-def measure_sync(root: Path, args: argparse.Namespace, results: dict[str, list[float]]) -> int:
+def random_file(path: Path, megabytes: int) -> None:
+    """`megabytes` MiB of random bytes (incompressible, as trained weights are), left in the page cache."""
+    generator = torch.Generator().manual_seed(0)
+    with open(path, "wb") as f:
+        for _ in range(megabytes):
+            f.write(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=generator).numpy().tobytes())
+
+
+def measure_sync(root: Path, source: Path, args: argparse.Namespace, results: dict[str, list[float]]) -> int:
     """Sync saves and restores, each paired with dd; returns the payload's size in bytes."""
     engine, checkpoint = build(args.params, root / "sync", "disabled")
     checkpoint.save(engine)  # warm-up: first-touch costs, imports
     size = sum(f["size"] for f in checkpoint.store.manifest("latest")["files"].values())
     megabytes, reference, latest = max(1, size >> 20), root / "dd.bin", root / "sync" / "latest"
+    random_file(source, megabytes)
     parameters = sum(p.numel() for p in engine.model.parameters()) / 1e6
     print(f"payload {size / 1e9:.2f} GB ({parameters:.0f}M parameters + AdamW state); disk folder {root.resolve()}")
 
@@ -148,10 +168,16 @@ def measure_sync(root: Path, args: argparse.Namespace, results: dict[str, list[f
         engine.state.step += 1  # a new state each time (a save at the same state only adds names)
         results["save"].append(timed(lambda: checkpoint.save(engine)))
 
-    def dd_write() -> None:
+    def dd_write() -> None:  # leaves dd.bin, random bytes, for the read references
         reference.unlink(missing_ok=True)
-        command = ("if=/dev/zero", f"of={reference}", f"count={megabytes}", "conv=fdatasync")
+        command = (f"if={source}", f"of={reference}", f"count={megabytes}", "conv=fdatasync")
         results["dd_write"].append(timed(lambda: dd(*command)))
+
+    def dd_zero() -> None:
+        zeros = root / "dd-zero.bin"
+        command = ("if=/dev/zero", f"of={zeros}", f"count={megabytes}", "conv=fdatasync")
+        results["dd_zero"].append(timed(lambda: dd(*command)))
+        zeros.unlink()
 
     def restore() -> None:
         evict(latest)
@@ -170,14 +196,14 @@ def measure_sync(root: Path, args: argparse.Namespace, results: dict[str, list[f
         results["dd_read"].append(timed(lambda: dd(f"if={reference}", "of=/dev/null")))
 
     # Each measure and its references in alternating order, so that a slow spell of the shared disk hits both sides; each
-    # measurement starts from the same state: nothing dirty, no page cache of the benchmark's files.
-    for group in ((save, dd_write), (restore, dd_read, read_new)):
+    # measurement starts from the same state: nothing dirty, no page cache of the benchmark's files (but the source).
+    for group in ((save, dd_write, dd_zero), (restore, dd_read, read_new)):
         for i in range(args.repeats):
             for step in group if i % 2 == 0 else group[::-1]:
                 checkpoint.store.wait()
                 os.sync()
                 for path in root.rglob("*"):
-                    if path.is_file():
+                    if path.is_file() and path != source:
                         evict(path)
                 step()
     checkpoint.on_teardown(engine)

@@ -3,7 +3,7 @@
 Tensor bytes go straight from tensor memory to the file (no copy in Python)
 while a second thread computes the checksum (`TensorChecksum`; torch and zlib release the GIL), and
 `posix_fadvise(DONTNEED)` starts writeback early so the final fsync has little
-left to do. Reads go straight into new tensors, checksummed as they arrive.
+left to do. Reading is in `cadence.backends.file_read`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ logger = logging.getLogger("cadence.checkpoint")
 TENSOR = "__cadence_tensor__"
 CHUNK = 32 << 20  # unit of writes, reads and checksums: large enough to be cheap per call
 BLOCK = 4096  # the checksum sums blocks of this many bytes (CHUNK is a multiple)
+TENSOR_ALIGN = 64  # each tensor starts at a multiple of this in its file (zeros in between)
+_BOUNCE = 1 << 20  # the checksum copies unaligned bytes through a buffer of this size
 _WRITEBACK = 64 << 20  # start disk writeback every this many bytes written
 _THREADED = 8 << 20  # below this a checksum thread costs more than it saves
 _OWN_FILE = ("model", "optimizers")
@@ -59,10 +61,9 @@ def split(payload: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Any, .
             tensor = _plain(obj)
             nbytes = tensor.numel() * tensor.element_size()
             seen[key] = len(table)
-            table.append(
-                (file, sizes.get(file, 0), nbytes, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-            )
-            sizes[file] = sizes.get(file, 0) + nbytes
+            offset = padded(sizes.get(file, 0))
+            table.append((file, offset, nbytes, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
+            sizes[file] = offset + nbytes
             groups.setdefault(file, []).append(tensor)
             return {TENSOR: seen[key]}
         if isinstance(obj, dict):
@@ -81,6 +82,12 @@ def split(payload: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Any, .
     # The large entries get a file each (a pretrained load reads model.bin only); the small rest share one.
     tree = {key: walk(value, f"{key}.bin" if key in _OWN_FILE else "state.bin") for key, value in payload.items()}
     return tree, table, groups
+
+
+def padded(position: int) -> int:
+    """Where the next tensor starts: aligned, so that a tensor read straight from the file into
+    page-aligned memory is aligned for vector instructions and for the checksum's int64 view."""
+    return -(-position // TENSOR_ALIGN) * TENSOR_ALIGN
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:
@@ -151,6 +158,7 @@ class TensorChecksum:
 
     def __init__(self, threaded: bool) -> None:
         self.value = 0
+        self._bounce: torch.Tensor | None = None
         self._queue: queue.SimpleQueue[torch.Tensor | None] | None = None
         if threaded:
             self._queue = queue.SimpleQueue()
@@ -164,12 +172,17 @@ class TensorChecksum:
 
     def _add(self, chunk: torch.Tensor) -> None:
         full = chunk.numel() // BLOCK * BLOCK
-        if full:
-            head = chunk[:full]
-            if head.storage_offset() % 8:  # an unaligned view cannot be read as int64
-                head = head.clone()
-            sums = head.view(torch.int64).view(-1, BLOCK // 8).sum(1)
+        if full and chunk.storage_offset() % 8 == 0:
+            sums = chunk[:full].view(torch.int64).view(-1, BLOCK // 8).sum(1)
             self.value = zlib.crc32(sums.numpy(), self.value)  # type: ignore[arg-type]
+        elif full:  # an unaligned view cannot be read as int64: through an aligned buffer (a few tensors of old files)
+            if self._bounce is None:
+                self._bounce = torch.empty(_BOUNCE, dtype=torch.uint8)
+            for i in range(0, full, _BOUNCE):
+                piece = self._bounce[: min(_BOUNCE, full - i)]
+                piece.copy_(chunk[i : i + piece.numel()])
+                sums = piece.view(torch.int64).view(-1, BLOCK // 8).sum(1)
+                self.value = zlib.crc32(sums.numpy(), self.value)  # type: ignore[arg-type]
         if chunk.numel() > full:
             self.value = zlib.crc32(chunk[full:].numpy(), self.value)  # type: ignore[arg-type]
 
@@ -188,13 +201,16 @@ class TensorChecksum:
 
 
 def write_tensors(path: Path, tensors: list[torch.Tensor], durable: bool) -> tuple[int, int]:
-    """Write tensors' bytes back to back; returns (size, checksum). Fsynced when `durable`."""
+    """Write tensors' bytes, each from a `padded` offset; returns (size, checksum). Fsynced when `durable`."""
     checksum = TensorChecksum(threaded=sum(t.numel() * t.element_size() for t in tensors) >= _THREADED)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             written = started = 0
             for tensor in tensors:
+                if padded(written) > written:  # the tensor table (`split`) places tensors at these offsets
+                    _write_all(fd, memoryview(bytes(padded(written) - written)))
+                    written = padded(written)
                 flat = _flat_bytes(tensor)
                 for i in range(0, flat.numel(), CHUNK):
                     chunk = flat[i : i + CHUNK]
@@ -230,45 +246,6 @@ def write_bytes(path: Path, data: Any, durable: bool) -> tuple[int, int]:
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
         view = view[os.write(fd, view) :]
-
-
-def read_tensors(path: Path, entries: list[tuple[Any, ...]], out: dict[int, torch.Tensor] | None) -> int:
-    """Read a tensor file straight into new tensors (into `out`), checksumming as it goes; returns the checksum.
-
-    With `out=None` the bytes go through one reused buffer and only the checksum is computed.
-    """
-    total = sum(entry[2] for entry in entries)
-    checksum = TensorChecksum(threaded=out is not None and total >= _THREADED)  # a reused buffer: inline
-    scratch = torch.empty(min(CHUNK, max((e[2] for e in entries), default=0)), dtype=torch.uint8)
-    try:
-        with open(path, "rb", buffering=0) as f:
-            if FADVISE:  # a larger readahead window for this one long sequential read
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            position = 0
-            for index, offset, nbytes, dtype, shape in entries:
-                if offset != position:
-                    raise CheckpointError(f"{path.name}: tensor table out of order at byte {offset}", path=path.parent)
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype)) if out is not None else None
-                flat = _flat_bytes(tensor) if tensor is not None else scratch
-                for i in range(0, nbytes, CHUNK):
-                    chunk = flat[i : i + CHUNK] if tensor is not None else scratch[: min(CHUNK, nbytes - i)]
-                    _read_exactly(f, memoryview(chunk.numpy()), path)  # type: ignore[arg-type]
-                    checksum.update(chunk)
-                position += nbytes
-                if out is not None and tensor is not None:
-                    out[index] = tensor
-    finally:
-        value = checksum.finish()
-    return value
-
-
-def _read_exactly(f: Any, view: memoryview, path: Path) -> None:
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise CheckpointError(f"{path.name} ends early: the file is truncated", path=path.parent)
-        done += n
 
 
 # -- filesystem helpers -----------------------------------------------------------------
@@ -365,6 +342,8 @@ class Reaper:
                 self._thread.start()
 
     def _run(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # cleanup: the loop and the saves come first (Linux)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while True:
             with self._lock:
                 if not self._queue:

@@ -2,7 +2,7 @@
 
 Layout of one checkpoint, e.g. `checkpoints/latest/`::
 
-    model.bin        raw bytes of the model's tensors, back to back
+    model.bin        raw bytes of the model's tensors, each at a 64-byte offset
     optimizers.bin   ... of the optimizer state
     state.bin        ... of every other tensor (RNG, callback states such as EMA's average)
     payload.pt       everything else: the structure, with each tensor's file/offset/dtype/shape
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from cadence.backends import file_io
+from cadence.backends import file_io, file_read
 from cadence.engine.checkpoint import FORMAT, CheckpointError, CheckpointStore
 
 MANIFEST = "manifest.json"
@@ -50,6 +50,9 @@ class FileStore(CheckpointStore):
         durable: fsync files and folders before a commit counts (turn off only for scratch data).
         weights_only: load `payload.pt` with torch's safe unpickler; set False only for
             checkpoints you trust whose callback states hold arbitrary Python objects.
+        direct_io: read tensor files with direct I/O (True), through the page cache (False),
+            or decide per file (None: direct for a large file mostly not cached, read by one
+            process); see `cadence.backends.file_read`.
 
     Example:
         >>> store = FileStore("/tmp/ckpts")                        # doctest: +SKIP
@@ -58,10 +61,15 @@ class FileStore(CheckpointStore):
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str] | None = None, *, durable: bool = True, weights_only: bool = True
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        durable: bool = True,
+        weights_only: bool = True,
+        direct_io: bool | None = None,
     ) -> None:
         super().__init__(directory)
-        self.durable, self.weights_only = durable, weights_only
+        self.durable, self.weights_only, self.direct_io = durable, weights_only, direct_io
         self._reaper = file_io.Reaper()  # shared by the copies `at()` makes
 
     def _folder(self) -> Path:
@@ -234,9 +242,7 @@ class FileStore(CheckpointStore):
     def verify(self, name: str) -> dict[str, Any]:
         manifest, folder, _, table = self._skeleton(name)
         self._check_sizes(folder, manifest, manifest["files"])
-        for file in manifest["files"]:
-            if file != PAYLOAD:
-                self._read_file(folder, manifest, table, file, None)
+        self._read_files(folder, manifest, table, [file for file in manifest["files"] if file != PAYLOAD], None)
         return manifest
 
     def read(self, name: str, keys: Iterable[str] | None = None) -> dict[str, Any]:
@@ -253,8 +259,7 @@ class FileStore(CheckpointStore):
                 f"{unlisted} are referenced but not in the manifest", path=folder, step=manifest["step"]
             )
         self._check_sizes(folder, manifest, {file: manifest["files"][file] for file in files})  # before any read
-        for file in files:
-            self._read_file(folder, manifest, table, file, tensors)
+        self._read_files(folder, manifest, table, files, tensors)
         return file_io.rebuild(tree, tensors)
 
     def _skeleton(self, name: str) -> tuple[dict[str, Any], Path, Any, list[Any]]:
@@ -275,13 +280,22 @@ class FileStore(CheckpointStore):
             raise CheckpointError(f"cannot unpickle {PAYLOAD}: {exc}{hint}", path=folder, step=step) from exc
         return manifest, folder, skeleton["tree"], skeleton["tensors"]
 
-    def _read_file(
-        self, folder: Path, manifest: dict[str, Any], table: list[Any], file: str, out: dict[int, torch.Tensor] | None
+    def _read_files(
+        self,
+        folder: Path,
+        manifest: dict[str, Any],
+        table: list[Any],
+        files: list[str],
+        out: dict[int, torch.Tensor] | None,
     ) -> None:
-        """Read one tensor file into `out` (None: only check it) and compare its checksum."""
-        entries = sorted((i for i, entry in enumerate(table) if entry[0] == file), key=lambda i: table[i][1])
-        value = file_io.read_tensors(folder / file, [(i, *table[i][1:]) for i in entries], out)
-        self._check_checksum(folder, manifest, file, value)
+        """Read tensor files into `out` (None: only check them), comparing each one's checksum as it is read."""
+        jobs = []
+        for file in files:
+            entries = sorted((i for i, entry in enumerate(table) if entry[0] == file), key=lambda i: table[i][1])
+            jobs.append((folder / file, [(i, *table[i][1:]) for i in entries]))
+        with file_read.TensorReads(jobs, out, self.direct_io) as reads:
+            for n, file in enumerate(files):
+                self._check_checksum(folder, manifest, file, reads.read(n))
 
     def _check_sizes(self, folder: Path, manifest: dict[str, Any], files: Mapping[str, Any]) -> None:
         for file, expected in files.items():

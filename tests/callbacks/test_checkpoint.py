@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -15,10 +16,11 @@ import pytest
 import torch
 
 import cadence
+from cadence.backends import file_read
 from cadence.backends.file_store import FileStore
 from cadence.callbacks.checkpoint import Checkpoint, CheckpointConfig
 from cadence.callbacks.checkpoint_writer import AsyncWriter, Job
-from cadence.engine.checkpoint import CheckpointError
+from cadence.engine.checkpoint import CheckpointError, load_checkpoint
 from tests.conftest import tiny_dataset, tiny_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -464,6 +466,47 @@ def test_load_errors_name_the_file_and_step_and_leave_the_engine_untouched(tmp_p
     if problem in ("model keys", "config"):
         assert "(step 3)" in str(caught.value)
     assert_untouched(engine, before)
+
+
+def all_tensors(engine: cadence.Engine) -> list[torch.Tensor]:
+    state = engine.optimizers[0].state_dict()["state"]
+    return [t.clone() for t in engine.model.state_dict().values()] + [
+        v.clone() for entry in state.values() for v in entry.values()
+    ]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_large_tensors_resume_bitwise_and_a_damaged_file_leaves_the_engine_untouched(
+    tmp_path: Path, monkeypatch, direct: bool
+) -> None:
+    """Tensors of 1 MB and more are read into buffers of their own, which the optimizer then keeps."""
+    monkeypatch.setattr(file_read, "_choose_direct", lambda path, size, option: direct)
+
+    def large() -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = (torch.nn.Linear(8, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+        return torch.nn.Sequential(*layers)
+
+    reference, _ = make(tmp_path / "a", model=large())
+    reference.fit(steps=3)
+    shutil.copytree(tmp_path / "a" / "latest", tmp_path / "saved")
+    reference.fit(steps=2)
+    resumed, _ = make(tmp_path / "b", model=large(), checkpoint={"resume": str(tmp_path / "saved")})
+    resumed.fit(steps=2)
+    for ours, theirs in zip(all_tensors(resumed), all_tensors(reference), strict=True):
+        assert torch.equal(ours, theirs)
+    moment = resumed.optimizers[0].state[resumed.model[2].weight]["exp_avg"]
+    assert moment.data_ptr() % 64 == 0
+    shutil.copytree(tmp_path / "saved", tmp_path / "damaged")
+    path = tmp_path / "damaged" / "optimizers.bin"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x01
+    path.write_bytes(bytes(data))
+    before = all_tensors(resumed)
+    with pytest.raises(CheckpointError, match=r"optimizers\.bin: checksum mismatch"):
+        load_checkpoint(resumed, tmp_path / "damaged")
+    for ours, theirs in zip(all_tensors(resumed), before, strict=True):
+        assert torch.equal(ours, theirs)
 
 
 def test_a_config_change_is_allowed_when_not_strict_and_restarts_the_epoch(tmp_path: Path, caplog) -> None:

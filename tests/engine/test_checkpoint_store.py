@@ -219,7 +219,7 @@ def test_damaged_checkpoints_give_clear_errors(tmp_path: Path, damage: str, mess
     elif damage in ("flip", "payload"):
         path = folder / ("optimizers.bin" if damage == "flip" else "payload.pt")
         data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0x10
+        data[len(data) // 2 if damage == "payload" else -10] ^= 0x10  # in the last tensor (not between tensors)
         path.write_bytes(bytes(data))
     elif damage == "manifest":
         (folder / "manifest.json").unlink()
