@@ -12,6 +12,7 @@ the same function runs as a submitit job, one task per GPU. See docs/launching.m
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -168,6 +169,9 @@ def _run_worker(
     # A forked child inherits the parent's thread pool state: resize it before
     # the first torch op, else it can hang (see ENVIRONMENT.md).
     torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1"))))
+    if hasattr(signal, "SIGUSR2"):  # on a timeout the launcher asks every stuck rank for its stacks
+        stacks = (Path(workdir) / f"stacks-{local_rank}.txt").open("w")  # open until the process ends
+        faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:
@@ -209,6 +213,7 @@ def _join(processes: list[Any], workdir: Path, timeout: float | None) -> None:
                 raise TimeoutError(
                     f"launch: timeout of {timeout} s passed with ranks {running} still running; "
                     "every worker was killed. Raise timeout=... or look for a hang (a collective one rank never joined)."
+                    + _stacks(processes, running, workdir)
                 )
             for sentinel in multiprocessing.connection.wait(list(waiting), timeout=left):
                 rank = waiting.pop(sentinel)  # type: ignore[call-overload]
@@ -217,6 +222,23 @@ def _join(processes: list[Any], workdir: Path, timeout: float | None) -> None:
                     raise _failure(processes, workdir, rank)
     finally:
         _terminate(processes)
+
+
+def _stacks(processes: list[Any], ranks: list[int], workdir: Path) -> str:
+    """The Python stacks of the stuck ranks (faulthandler, on SIGUSR2), for the timeout's message."""
+    if not hasattr(signal, "SIGUSR2"):
+        return ""
+    for rank in ranks:
+        with contextlib.suppress(OSError):
+            os.kill(processes[rank].pid, signal.SIGUSR2)
+    time.sleep(0.5)
+    parts = []
+    for rank in ranks:
+        with contextlib.suppress(OSError):
+            text = (workdir / f"stacks-{rank}.txt").read_text().strip()
+            if text:
+                parts.append(f"\n--- rank {rank}, where it was stuck ---\n{text}")
+    return "".join(parts)
 
 
 def _failure(processes: list[Any], workdir: Path, exited: int) -> WorkerError:

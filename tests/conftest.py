@@ -52,3 +52,20 @@ def _no_leaked_signal_handlers():
     for sig in watched:
         signal.signal(sig, before[sig])
     assert not leaked, f"the test left signal handlers installed for {sorted(leaked)}"
+
+
+@pytest.fixture(autouse=True)
+def _no_lingering_cadence_threads():
+    # Later tests fork workers from this process: a thread still running at a
+    # fork (holding a lock the child then needs) can hang the child. Threads
+    # that finish their queue (checkpoint cleanup) get a moment to do so.
+    import threading
+
+    yield
+    lingering = []
+    for thread in threading.enumerate():
+        if thread.name.startswith("cadence-") and thread.is_alive():
+            thread.join(timeout=10)
+            if thread.is_alive():
+                lingering.append(thread.name)
+    assert not lingering, f"the test left cadence threads running: {lingering}"

@@ -118,9 +118,12 @@ def test_timeout_kills_every_worker(tmp_path):
         time.sleep(120)
 
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running"):
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running") as info:
         launch(hang, nprocs=2, start_method="fork", timeout=2)
     assert time.monotonic() - start < 15
+    message = str(info.value)  # where each stuck rank was: its Python stack
+    assert "--- rank 0, where it was stuck ---" in message and "--- rank 1," in message
+    assert "in hang" in message
     for rank in (0, 1):
         assert not _alive(int((tmp_path / f"{rank}.pid").read_text()))
 
