@@ -1,6 +1,6 @@
 """Per-step overhead of Cadence against a hand-written PyTorch loop.
 
-    python benchmarks/overhead.py            # full run (a few minutes)
+    python benchmarks/overhead.py            # full run (about 6 minutes)
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
 
 Each measurement runs in a fresh process with one thread; raw and Cadence runs
@@ -154,7 +154,7 @@ def import_time(repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7, help="alternated raw/Cadence pairs per measurement")
+    parser.add_argument("--repeats", type=int, default=9, help="alternated raw/Cadence pairs per measurement")
     parser.add_argument("--quick", action="store_true", help="3 repeats, W1 only")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="W1", help=argparse.SUPPRESS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,17 +26,25 @@ class JSONLConfig:
 
     Attributes:
         path: the file; None writes `metrics.jsonl` in the run directory.
+        write_interval: lines are kept in memory and written (and flushed) at
+            most every this many seconds, and always at evaluation results,
+            checkpoint saves, the fit's end and teardown; 0 writes each line
+            at once. A hard kill loses at most this much of the record.
     """
 
     path: str | None = None
+    write_interval: float = attrs.field(default=2.0, validator=attrs.validators.ge(0))
 
 
 class JSONL(Callback):
     """Appends one JSON object per `on_log` to `run_dir/metrics.jsonl` (main process only).
 
+    Lines are written in batches (`write_interval`) and at every evaluation,
+    checkpoint save, fit end and teardown.
+
     Training lines are `{"step", "epoch", "time", <metric>: value, ...}`;
     evaluation lines add `"split"` and carry split-prefixed names
-    (`"val.loss"`). `time` is the Unix time of the write. Non-finite values
+    (`"val.loss"`). `time` is the Unix time of the log. Non-finite values
     are written as `NaN` / `Infinity` (Python's `json` reads them back).
 
     Resume: the file always describes the run as it continues. When the run
@@ -69,6 +78,8 @@ class JSONL(Callback):
         self._start_step: int | None = None  # the step the run (re)started from
         self._rewritten: set[tuple[str, int]] = set()  # lines at the start step kept from before
         self._in_eval = False
+        self._pending: list[dict[str, Any]] = []  # lines not written yet
+        self._last_write = -math.inf
 
     def on_fit_start(self, engine: Engine) -> None:
         if self._first_open and self._start_step is None:
@@ -76,6 +87,7 @@ class JSONL(Callback):
 
     def on_load(self, engine: Engine) -> None:
         # A checkpoint was restored: lines after its step are from a future that did not happen.
+        self._pending.clear()
         self._close()
         self._start_step = engine.state.step
 
@@ -90,18 +102,43 @@ class JSONL(Callback):
             return
         state = engine.state
         line: dict[str, Any] = {"step": state.step, "epoch": state.epoch, "time": time.time()}
-        kind = "train"
         if self._in_eval:
-            kind = line["split"] = eval_split(engine.logged)
-        if (kind, state.step) in self._rewritten:
-            self._rewritten.discard((kind, state.step))
-            return
+            line["split"] = eval_split(engine.logged)
         line.update(engine.logged)
-        file = self._file or self._open(engine)
-        file.write(json.dumps(line) + "\n")
-        file.flush()  # a line per log interval: cheap, and readable while training
+        self._pending.append(line)
+        now = time.perf_counter()
+        # Serializing and writing a line costs more than the step it follows on a tiny
+        # model (its code is cold by then): batch them, and write on intervals.
+        if self._in_eval or now - self._last_write >= self.config.write_interval:
+            self._write(engine)
+            self._last_write = now
+
+    def on_save(self, engine: Engine) -> None:
+        if is_main(engine):
+            self._write(engine)  # the record reaches the disk with every checkpoint
+
+    def on_fit_end(self, engine: Engine) -> None:
+        if is_main(engine):
+            self._write(engine)
+
+    def _write(self, engine: Engine) -> None:
+        if not self._pending:
+            return
+        lines, self._pending = self._pending, []
+        file = self._file or self._open(engine)  # the first open after a (re)start truncates
+        text = []
+        for line in lines:
+            key = (line.get("split", "train"), line["step"])
+            if key in self._rewritten:  # the resumed run's line at its start step is already there
+                self._rewritten.discard(key)
+                continue
+            text.append(json.dumps(line) + "\n")
+        file.write("".join(text))
+        file.flush()
 
     def on_teardown(self, engine: Engine) -> None:
+        if self._pending and is_main(engine):
+            self._write(engine)  # also after an exception: what was logged is kept
         self._close()
         self._in_eval = False
 

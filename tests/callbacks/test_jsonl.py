@@ -57,6 +57,24 @@ def test_one_line_per_logged_step_and_eval_lines_by_split(tmp_path):
     assert records[0]["epoch"] == 0 and records[0]["time"] > 1e9
 
 
+def test_lines_are_written_in_batches_and_none_is_lost_at_the_end_or_on_an_error(tmp_path):
+    jsonl = JSONL(write_interval=3600)
+    engine = make_engine([TrainMetrics(), jsonl], workspace=str(tmp_path))
+    on_disk = []
+    engine.on(cadence.Event.ON_STEP_END, once=7)(lambda e: on_disk.append(len(read_jsonl(jsonl.path))))
+    engine.fit(steps=8)
+    assert on_disk == [1]  # the first line at once, the next ones held in memory
+    assert [r["step"] for r in read_jsonl(jsonl.path)] == [2, 4, 6, 8]  # all written at fit end
+
+    def fail(engine):
+        raise RuntimeError("boom")
+
+    engine.on(cadence.Event.ON_STEP_END, once=11)(fail)
+    with pytest.raises(cadence.HookError, match="boom"):
+        engine.fit(steps=4)
+    assert [r["step"] for r in read_jsonl(jsonl.path)] == [2, 4, 6, 8, 10]  # teardown wrote what was logged
+
+
 def test_resume_truncates_the_lines_after_the_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     first = make_engine(
