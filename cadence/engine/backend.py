@@ -1,8 +1,9 @@
 """The backend contract: how the loop talks to a distribution strategy.
 
 The loop never branches on which backend it has. A backend places and wraps
-the model, runs one step's micro-batches (forward, backward, gradient sync),
-steps the optimizers, answers collectives over two domains, and saves and
+the model, says once per fit what a step calls (`step_plan`: batch placement,
+autocast, gradient sync, backward, optimizer step; or its own schedule over
+a step's micro-batches), answers collectives over two domains, and saves and
 loads checkpoints. `Backend` implements everything for one process; a
 distributed backend overrides what differs. See docs/backends.md.
 
