@@ -377,6 +377,10 @@ class Engine:
                 self._end_epoch()
         fire(Event.ON_FIT_END)
 
+    def _place(self, batch: Any) -> Any:
+        """A batch on the backend's device (as given when it is already there, as on CPU)."""
+        return self.backend.to_device(batch) if self.backend.moves_batches else batch
+
     def _steps_of_epoch(self) -> Iterator[Sequence[Any]]:
         """The micro-batches of each step until the epoch's data runs out.
 
@@ -488,7 +492,7 @@ class Engine:
             try:
                 self.fire(Event.ON_EVAL_START)
                 for batch in source.epoch_iter(0, fresh=True):
-                    self.batch = self.backend.to_device(batch)
+                    self.batch = self._place(batch)
                     with self.backend.autocast():
                         metrics = self._eval_metrics(self.batch)
                     weight = float(batch_size(self.batch))
@@ -512,7 +516,7 @@ class Engine:
         with self._run(), torch.no_grad(), restore_training_mode(self.model, False):
             self.fire(Event.ON_PREDICT_START)
             for batch in source.epoch_iter(0, fresh=True):
-                self.batch = self.backend.to_device(batch)
+                self.batch = self._place(batch)
                 with self.backend.autocast():
                     inputs = self.batch[0] if isinstance(self.batch, (tuple, list)) else self.batch
                     self.outputs = self.wrapped_model(inputs)
