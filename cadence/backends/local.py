@@ -91,11 +91,16 @@ class LocalBackend(Backend):
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def step_plan(self) -> StepPlan:
-        plan = super().step_plan()
-        # This class finishes gradients only to unscale fp16's (a subclass may do more).
-        if self.scaler is None and type(self).finish_gradients is LocalBackend.finish_gradients:
-            return attrs.evolve(plan, finish_gradients=None)
+    def step_plan(self, engine: Engine) -> StepPlan:
+        plan = super().step_plan(engine)
+        if self.scaler is not None:
+            return plan
+        # Without a GradScaler this class finishes nothing and steps like the base
+        # (a subclass that overrides either keeps its own).
+        if type(self).finish_gradients is LocalBackend.finish_gradients:
+            plan = attrs.evolve(plan, finish_gradients=None)
+        if type(self).optimizer_step is LocalBackend.optimizer_step and len(engine.optimizers) == 1:
+            plan = attrs.evolve(plan, optimizer_step=engine.optimizers[0].step)
         return plan
 
     def finish_gradients(self, engine: Engine) -> None:

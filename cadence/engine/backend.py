@@ -16,6 +16,7 @@ DDP; a mesh backend may make them differ.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -49,8 +50,8 @@ class StepPlan:
         gradient_sync: `set_gradient_sync`, or None when there is nothing to sync.
         backward: backpropagates a micro-batch's loss.
         finish_gradients: makes gradients final (unscale), or None.
-        optimizer_step: steps the optimizers.
-        zero_grad: clears the gradients.
+        optimizer_step: steps the optimizers (no arguments).
+        zero_grad: clears the gradients (no arguments).
     """
 
     schedule: Callable[[Engine, Sequence[Any]], None] | None
@@ -59,8 +60,8 @@ class StepPlan:
     gradient_sync: Callable[[bool], None] | None
     backward: Callable[[torch.Tensor, int], None]
     finish_gradients: Callable[[Engine], None] | None
-    optimizer_step: Callable[[Engine], None]
-    zero_grad: Callable[[Engine], None]
+    optimizer_step: Callable[[], Any]
+    zero_grad: Callable[[], None]
 
 
 class Backend:
@@ -104,10 +105,15 @@ class Backend:
 
     # -- the step ---------------------------------------------------------
 
-    def step_plan(self) -> StepPlan:
-        """The step's calls for the coming fit: methods a subclass leaves as the
-        base no-ops (`forward_backward`, `set_gradient_sync`,
-        `finish_gradients`) are None, so the loop skips them."""
+    def step_plan(self, engine: Engine) -> StepPlan:
+        """The step's calls for the coming fit.
+
+        Methods a subclass leaves as the base no-ops (`forward_backward`,
+        `set_gradient_sync`, `finish_gradients`) are None, so the loop skips
+        them; the base optimizer step and zero_grad of a single optimizer are
+        that optimizer's own methods, called directly.
+        """
+        single = engine.optimizers[0] if len(engine.optimizers) == 1 else None
         return StepPlan(
             schedule=self.forward_backward if self._overrides("forward_backward") else None,
             to_device=self.to_device if self.moves_batches else None,
@@ -115,8 +121,16 @@ class Backend:
             gradient_sync=self.set_gradient_sync if self._overrides("set_gradient_sync") else None,
             backward=self.backward,
             finish_gradients=self.finish_gradients if self._overrides("finish_gradients") else None,
-            optimizer_step=self.optimizer_step,
-            zero_grad=self.zero_grad,
+            optimizer_step=(
+                single.step
+                if single is not None and not self._overrides("optimizer_step")
+                else functools.partial(self.optimizer_step, engine)
+            ),
+            zero_grad=(
+                functools.partial(single.zero_grad, set_to_none=True)
+                if single is not None and not self._overrides("zero_grad")
+                else functools.partial(self.zero_grad, engine)
+            ),
         )
 
     def _overrides(self, name: str) -> bool:

@@ -333,7 +333,7 @@ class Engine:
         hooks, agreed = self.hooks_table, requests.agreed
         skip, stop = requests.index["skip"], requests.index["stop"]
         log_interval, eval_every = self.config.log_interval, self.config.eval_every_steps
-        plan = backend.step_plan()  # what to call per step; None: nothing to do
+        plan = backend.step_plan(self)  # what to call per step; None: nothing to do
         schedule, to_device, sync, backward = plan.schedule, plan.to_device, plan.gradient_sync, plan.backward
         finish, optimizer_step, zero_grad = plan.finish_gradients, plan.optimizer_step, plan.zero_grad
         forward = (
@@ -362,9 +362,9 @@ class Engine:
                 hooks[_ON_BEFORE_OPTIMIZER_STEP] and fire(_ON_BEFORE_OPTIMIZER_STEP)
                 backend.agree(requests)  # one small collective: skip / stop / save / ...
                 if not agreed[skip]:
-                    optimizer_step(self)
+                    optimizer_step()
                     hooks[_ON_OPTIMIZER_STEP] and fire(_ON_OPTIMIZER_STEP)
-                zero_grad(self)
+                zero_grad()
                 self._count_step(micro_batches, agreed[skip])
                 hooks[_ON_STEP_END] and fire(_ON_STEP_END)
                 if state.step % log_interval == 0:

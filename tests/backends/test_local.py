@@ -98,11 +98,15 @@ def test_fp32_has_no_autocast_context_so_the_step_enters_none():
 def test_the_step_plan_leaves_out_what_has_nothing_to_do():
     from cadence.backends.ddp import DDPBackend
 
-    plan = LocalBackend(device="cpu").step_plan()
+    engine, _ = train(steps=1)
+    optimizer = engine.optimizers[0]
+    plan = LocalBackend(device="cpu").step_plan(engine)
     assert plan.schedule is None and plan.to_device is None
     assert plan.gradient_sync is None and plan.finish_gradients is None  # fp32, one process
-    assert ConcatSchedule().step_plan().schedule is not None
-    assert DDPBackend(device="cpu").step_plan().gradient_sync is not None
+    assert plan.optimizer_step == optimizer.step  # one optimizer: its own step, called directly
+    assert plan.zero_grad.func == optimizer.zero_grad and plan.zero_grad.keywords == {"set_to_none": True}
+    assert ConcatSchedule().step_plan(engine).schedule is not None
+    assert DDPBackend(device="cpu").step_plan(engine).gradient_sync is not None
 
 
 class ZeroGradients(LocalBackend):
@@ -111,6 +115,31 @@ class ZeroGradients(LocalBackend):
     def finish_gradients(self, engine):
         for p in engine.model.parameters():
             p.grad.zero_()
+
+
+class SkipEveryOtherStep(LocalBackend):
+    """Steps the optimizer on odd calls only: its own optimizer_step must be what the loop calls."""
+
+    def __init__(self):
+        super().__init__(device="cpu")
+        self.calls = 0
+
+    def optimizer_step(self, engine):
+        self.calls += 1
+        if self.calls % 2:
+            super().optimizer_step(engine)
+
+
+def test_a_backend_that_overrides_the_optimizer_step_keeps_it():
+    backend = SkipEveryOtherStep()
+    engine, _ = train(backend, steps=4, grad_accum=1)
+    assert backend.calls == 4 and engine.state.step == 4
+    several = tiny_model()
+    optimizers = [torch.optim.SGD([p], lr=0.1) for p in several.parameters()]
+    engine = cadence.Engine(several, optimizers, tiny_batches(4), loss_fn=F.cross_entropy, seed=0, backend="local")
+    before = [p.detach().clone() for p in several.parameters()]
+    engine.fit(steps=1)  # several optimizers: the backend's loop steps each
+    assert all(not torch.equal(a, b) for a, b in zip(before, several.parameters()))
 
 
 def test_a_backend_that_finishes_gradients_is_called_every_step():
