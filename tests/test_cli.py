@@ -171,10 +171,11 @@ def make_run(workspace: Path, steps: int, seed: int, fail_at: int | None = None,
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(8), loss_fn=torch.nn.functional.cross_entropy,
         workspace=str(workspace), seed=seed, lineage=lineage, callbacks=[OpensRunDir(fail_at), *extra],
     )  # fmt: skip
-    try:
+    if fail_at is None:
         engine.fit(steps=steps)
-    except cadence.HookError:
-        pass
+    else:
+        with pytest.raises(cadence.HookError, match="boom"):
+            engine.fit(steps=steps)
     return engine
 
 

@@ -97,9 +97,9 @@ class LocalBackend(Backend):
             return plan
         # Without a GradScaler this class finishes nothing and steps like the base
         # (a subclass that overrides either keeps its own).
-        if type(self).finish_gradients is LocalBackend.finish_gradients:
+        if not self._overrides("finish_gradients", LocalBackend):
             plan = attrs.evolve(plan, finish_gradients=None)
-        if type(self).optimizer_step is LocalBackend.optimizer_step and len(engine.optimizers) == 1:
+        if not self._overrides("optimizer_step", LocalBackend) and len(engine.optimizers) == 1:
             plan = attrs.evolve(plan, optimizer_step=engine.optimizers[0].step)
         return plan
 

@@ -133,8 +133,9 @@ class Backend:
             ),
         )
 
-    def _overrides(self, name: str) -> bool:
-        return getattr(type(self), name) is not getattr(Backend, name)
+    def _overrides(self, name: str, base: type[Backend] | None = None) -> bool:
+        """Whether this backend's class redefines `name` below `base` (default: `Backend`)."""
+        return getattr(type(self), name) is not getattr(base or Backend, name)
 
     def forward_backward(self, engine: Engine, micro_batches: Sequence[Any]) -> None:
         """Run all of one optimizer step's micro-batches on the backend's own schedule.

@@ -74,14 +74,13 @@ class DataSource:
         shuffle = config.shuffle if config.shuffle is not None else self.split == "train"
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         kwargs: dict[str, Any] = {}
-        if iterable:
-            pass
-        elif size > 1:
+        # An IterableDataset shards and shuffles itself: no sampler, no shuffle.
+        if not iterable and size > 1:
             self.sampler = StatefulDistributedSampler(
                 dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed, drop_last=config.drop_last
             )
             kwargs["sampler"] = self.sampler
-        elif shuffle:
+        elif not iterable and shuffle:
             self.generator = torch.Generator()
             kwargs["shuffle"] = True
             kwargs["generator"] = self.generator
