@@ -95,8 +95,10 @@ class LocalBackend(Backend):
         plan = super().step_plan(engine)
         if self.scaler is not None:
             return plan
-        # Without a GradScaler this class finishes nothing and steps like the base
-        # (a subclass that overrides either keeps its own).
+        # Without a GradScaler this class backpropagates, finishes nothing and
+        # steps like the base (a subclass that overrides one keeps its own).
+        if not self._overrides("backward", LocalBackend):
+            plan = attrs.evolve(plan, backward=None)
         if not self._overrides("finish_gradients", LocalBackend):
             plan = attrs.evolve(plan, finish_gradients=None)
         if not self._overrides("optimizer_step", LocalBackend) and len(engine.optimizers) == 1:

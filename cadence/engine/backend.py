@@ -48,18 +48,22 @@ class StepPlan:
         to_device: places a batch, or None: batches are used as given.
         autocast: the context forward runs in (`NULL_CONTEXT`: none).
         gradient_sync: `set_gradient_sync`, or None when there is nothing to sync.
-        backward: backpropagates a micro-batch's loss.
+        backward: backpropagates a micro-batch's loss, or None: the loop calls
+            `loss.backward()` itself (on `loss / micro_batches` when accumulating).
         finish_gradients: makes gradients final (unscale), or None.
+        agree: agrees the step's control requests across ranks, or None: there
+            is no other rank, and the loop accepts what is pending itself.
         optimizer_step: steps the optimizers (no arguments).
-        zero_grad: clears the gradients (no arguments).
+        zero_grad: clears the gradients (no arguments; to None).
     """
 
     schedule: Callable[[Engine, Sequence[Any]], None] | None
     to_device: Callable[[Any], Any] | None
     autocast: contextlib.AbstractContextManager[Any]
     gradient_sync: Callable[[bool], None] | None
-    backward: Callable[[torch.Tensor, int], None]
+    backward: Callable[[torch.Tensor, int], None] | None
     finish_gradients: Callable[[Engine], None] | None
+    agree: Callable[[Requests], None] | None
     optimizer_step: Callable[[], Any]
     zero_grad: Callable[[], None]
 
@@ -108,10 +112,11 @@ class Backend:
     def step_plan(self, engine: Engine) -> StepPlan:
         """The step's calls for the coming fit.
 
-        Methods a subclass leaves as the base no-ops (`forward_backward`,
-        `set_gradient_sync`, `finish_gradients`) are None, so the loop skips
-        them; the base optimizer step and zero_grad of a single optimizer are
-        that optimizer's own methods, called directly.
+        Methods a subclass leaves as the base's (`forward_backward`,
+        `set_gradient_sync`, `backward`, `finish_gradients`, `agree`) are None,
+        so the loop skips the call or does the plain thing inline; the base
+        optimizer step and zero_grad of a single optimizer are that
+        optimizer's own methods, called directly.
         """
         single = engine.optimizers[0] if len(engine.optimizers) == 1 else None
         return StepPlan(
@@ -119,15 +124,16 @@ class Backend:
             to_device=self.to_device if self.moves_batches else None,
             autocast=self.autocast(),
             gradient_sync=self.set_gradient_sync if self._overrides("set_gradient_sync") else None,
-            backward=self.backward,
+            backward=self.backward if self._overrides("backward") else None,
             finish_gradients=self.finish_gradients if self._overrides("finish_gradients") else None,
+            agree=self.agree if self._overrides("agree") else None,
             optimizer_step=(
                 single.step
                 if single is not None and not self._overrides("optimizer_step")
                 else functools.partial(self.optimizer_step, engine)
             ),
             zero_grad=(
-                functools.partial(single.zero_grad, set_to_none=True)
+                single.zero_grad  # set_to_none=True is its default
                 if single is not None and not self._overrides("zero_grad")
                 else functools.partial(self.zero_grad, engine)
             ),
@@ -179,6 +185,7 @@ class Backend:
         """
 
     def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        """Backpropagate one micro-batch's loss (averaged over the step's `micro_batches`)."""
         (loss / micro_batches if micro_batches > 1 else loss).backward()
 
     def finish_gradients(self, engine: Engine) -> None:
@@ -209,7 +216,11 @@ class Backend:
         return tensor.unsqueeze(0)
 
     def agree(self, requests: Requests) -> None:
-        """Agree every pending control request across the optimizer domain (MAX)."""
+        """Agree every pending control request across the optimizer domain (MAX).
+
+        A backend with one rank in that domain leaves this as it is: the loop
+        then does the same inline.
+        """
         if requests.any_pending or requests.any_agreed:
             requests.accept(requests.pending)
 
@@ -268,10 +279,17 @@ def move_to(batch: Any, device: torch.device, non_blocking: bool = False) -> Any
 def batch_size(batch: Any) -> int:
     """Number of samples in a batch: the first dimension of its first tensor (1 if none)."""
     while True:
-        if isinstance(batch, torch.Tensor):
+        kind = type(batch)
+        # Exact types first: the loop counts every step's samples, and an
+        # `isinstance(batch, torch.Tensor)` that fails costs ~90 ns.
+        if kind is tuple or kind is list:
+            if not batch:
+                return 1
+            batch = batch[0]
+        elif isinstance(batch, torch.Tensor):
             shape = batch.shape
             return shape[0] if shape else 1
-        if isinstance(batch, (tuple, list)) and batch:
+        elif isinstance(batch, (tuple, list)) and batch:
             batch = batch[0]
         elif isinstance(batch, dict) and batch:
             batch = next(iter(batch.values()))

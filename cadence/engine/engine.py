@@ -327,45 +327,63 @@ class Engine:
             self._fit(stop_step, stop_epoch)
 
     def _fit(self, stop_step: float, stop_epoch: float) -> None:
-        state, fire, backend, requests = self.state, self.fire, self.backend, self.requests
+        state, fire, requests = self.state, self.fire, self.requests
         # `hooks[event] and fire(event)`: an event nobody listens to costs a
         # dict lookup, not a call (on a tiny step every bit of Python shows).
         hooks, agreed = self.hooks_table, requests.agreed
         skip, stop = requests.index["skip"], requests.index["stop"]
         log_interval, eval_every = self.config.log_interval, self.config.eval_every_steps
-        plan = backend.step_plan(self)  # what to call per step; None: nothing to do
+        plan = self.backend.step_plan(self)  # what to call per step; None: nothing (or the plain thing inline)
         schedule, to_device, sync, backward = plan.schedule, plan.to_device, plan.gradient_sync, plan.backward
-        finish, optimizer_step, zero_grad = plan.finish_gradients, plan.optimizer_step, plan.zero_grad
-        forward = (
-            self.compute_loss if plan.autocast is NULL_CONTEXT else partial(_within, plan.autocast, self.compute_loss)
-        )
+        finish, agree, optimizer_step, zero_grad = plan.finish_gradients, plan.agree, plan.optimizer_step, plan.zero_grad
+        plain = plan.autocast is NULL_CONTEXT
+        forward = self.compute_loss if plain else partial(_within, plan.autocast, self.compute_loss)
         requests.clear_agreed()
         fire(Event.ON_FIT_START)
+        # compute_loss's usual case, inlined below: loss_fn over (inputs, targets).
+        model, pair_loss = self.wrapped_model, self.loss_fn if plain and self.step_fn is None else None
         while state.step < stop_step and state.epoch < stop_epoch and not agreed[stop]:
             if state.batch_in_epoch == 0:
                 fire(Event.ON_EPOCH_START)
             for micro_batches in self._steps_of_epoch():
                 hooks[_ON_STEP_START] and fire(_ON_STEP_START)
+                n = len(micro_batches)
                 if schedule is not None:  # the backend runs the micro-batches (pipeline)
                     schedule(self, micro_batches)
                 else:
-                    n = len(micro_batches)
                     for i, batch in enumerate(micro_batches, 1):
                         self.batch = batch if to_device is None else to_device(batch)
                         hooks[_ON_BATCH] and fire(_ON_BATCH)
                         sync is None or sync(i == n)  # accumulate locally, sync on the last micro-batch
-                        self.outputs, self.loss = forward(self.batch)  # under autocast
+                        batch = self.batch
+                        if pair_loss is not None and type(batch) is tuple and len(batch) == 2:
+                            self.outputs = outputs = model(batch[0])
+                            self.loss = pair_loss(outputs, batch[1])
+                        else:
+                            self.outputs, self.loss = forward(batch)  # under autocast
                         hooks[_ON_FORWARD] and fire(_ON_FORWARD)
-                        backward(self.loss, n)
+                        if backward is None:
+                            (self.loss if n == 1 else self.loss / n).backward()
+                        else:
+                            backward(self.loss, n)
                         hooks[_ON_BACKWARD] and fire(_ON_BACKWARD)
                 finish is None or finish(self)  # e.g. unscale fp16 gradients
                 hooks[_ON_BEFORE_OPTIMIZER_STEP] and fire(_ON_BEFORE_OPTIMIZER_STEP)
-                backend.agree(requests)  # one small collective: skip / stop / save / ...
+                if agree is not None:
+                    agree(requests)  # skip / stop / save / ...: one small collective
+                elif requests.any_pending or requests.any_agreed:
+                    requests.accept(requests.pending)  # no other rank to agree with
                 if not agreed[skip]:
                     optimizer_step()
                     hooks[_ON_OPTIMIZER_STEP] and fire(_ON_OPTIMIZER_STEP)
                 zero_grad()
-                self._count_step(micro_batches, agreed[skip])
+                state.micro_step += n
+                state.batch_in_epoch += n
+                state.samples_seen += batch_size(micro_batches[0]) if n == 1 else sum(map(batch_size, micro_batches))
+                if agreed[skip] or state.consecutive_skips:
+                    self._count_skip(agreed[skip])
+                state.step += 1
+                self._pending = None
                 hooks[_ON_STEP_END] and fire(_ON_STEP_END)
                 if state.step % log_interval == 0:
                     self._log_metrics()
@@ -443,19 +461,13 @@ class Engine:
             next(iterator, None)
         return iterator
 
-    def _count_step(self, micro_batches: Sequence[Any], skipped: int) -> None:
+    def _count_skip(self, skipped: int) -> None:
         state = self.state
-        n = len(micro_batches)
-        state.micro_step += n
-        state.batch_in_epoch += n
-        state.samples_seen += batch_size(micro_batches[0]) if n == 1 else sum(map(batch_size, micro_batches))
         if skipped:
             state.skipped_steps += 1
             state.consecutive_skips += 1
-        elif state.consecutive_skips:
+        else:
             state.consecutive_skips = 0
-        state.step += 1
-        self._pending = None
 
     def _end_epoch(self) -> None:
         self.state.epoch += 1

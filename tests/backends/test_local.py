@@ -103,10 +103,12 @@ def test_the_step_plan_leaves_out_what_has_nothing_to_do():
     plan = LocalBackend(device="cpu").step_plan(engine)
     assert plan.schedule is None and plan.to_device is None
     assert plan.gradient_sync is None and plan.finish_gradients is None  # fp32, one process
-    assert plan.optimizer_step == optimizer.step  # one optimizer: its own step, called directly
-    assert plan.zero_grad.func == optimizer.zero_grad and plan.zero_grad.keywords == {"set_to_none": True}
+    assert plan.backward is None and plan.agree is None  # the loop's plain loss.backward(); no rank to agree with
+    assert plan.optimizer_step == optimizer.step  # one optimizer: its own step and zero_grad, called directly
+    assert plan.zero_grad == optimizer.zero_grad
     assert ConcatSchedule().step_plan(engine).schedule is not None
-    assert DDPBackend(device="cpu").step_plan(engine).gradient_sync is not None
+    ddp = DDPBackend(device="cpu").step_plan(engine)
+    assert ddp.gradient_sync is not None and ddp.agree is not None
 
 
 class ZeroGradients(LocalBackend):
@@ -147,3 +149,70 @@ def test_a_backend_that_finishes_gradients_is_called_every_step():
     engine, _ = train(ZeroGradients(device="cpu"), grad_accum=1)
     assert engine.state.step == 3
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))  # SGD without momentum
+
+
+class HalfBackward(LocalBackend):
+    """Backpropagates half of each loss: its own backward must be what the loop calls."""
+
+    def __init__(self):
+        super().__init__(device="cpu")
+        self.calls = []
+
+    def backward(self, loss, micro_batches):
+        self.calls.append(micro_batches)
+        super().backward(loss * 0.5, micro_batches)
+
+
+class CountingAgreement(LocalBackend):
+    """Agrees like one process, counting calls: a backend's own agree runs every step."""
+
+    def __init__(self):
+        super().__init__(device="cpu")
+        self.calls = 0
+
+    def agree(self, requests):
+        self.calls += 1
+        super().agree(requests)
+
+
+def test_a_backend_that_overrides_backward_or_agree_keeps_it():
+    backend = HalfBackward()
+    train(backend, steps=3, grad_accum=2)
+    assert backend.calls == [2] * 6  # every micro-batch, told how many the step has
+    # Half the gradient at lr 0.1 is the plain gradient at lr 0.05 (SGD without momentum).
+    halved, _ = train(HalfBackward(), steps=2, grad_accum=1)
+    plain_model = tiny_model()
+    plain = cadence.Engine(
+        plain_model, torch.optim.SGD(plain_model.parameters(), lr=0.05), tiny_batches(12),
+        loss_fn=F.cross_entropy, backend=LocalBackend(device="cpu"), seed=0,
+    )
+    plain.fit(steps=2)
+    for a, b in zip(halved.model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a, b)
+    agreeing = CountingAgreement()
+    engine, _ = train(agreeing, steps=3, grad_accum=1)
+    assert agreeing.calls >= 3 and engine.state.step == 3
+
+
+def test_a_batch_replaced_in_on_batch_and_a_loss_replaced_in_on_forward_are_used():
+    model = tiny_model()
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(4), loss_fn=F.cross_entropy,
+        backend=LocalBackend(device="cpu"), seed=0,
+    )
+    seen = []
+    model.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+
+    @engine.on(Event.ON_BATCH)
+    def halve(engine):
+        inputs, targets = engine.batch
+        engine.batch = (inputs[:2], targets[:2])
+
+    @engine.on(Event.ON_FORWARD)
+    def no_loss(engine):
+        engine.loss = engine.loss * 0.0
+
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.fit(steps=2)
+    assert seen == [2, 2]  # the forward ran on the replaced batch
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # backward ran on the replaced loss
