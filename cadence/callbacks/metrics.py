@@ -1,7 +1,7 @@
 """Built-in training metrics (loss, learning rate, timing, throughput, MFU) and the default sinks.
 
-The step pays for a reference and two clock reads: the detached loss is kept
-(no copy, no host sync), times are Python floats, and everything else is
+The step pays for the loss and two clock reads: the detached loss is kept (no
+copy, no host sync; on the CPU its ready value is summed), times are Python floats, and everything else is
 computed once per `log_interval`, right before the engine reduces the
 metrics. See docs/observability.md.
 """
@@ -71,11 +71,15 @@ class TrainMetricsConfig:
 class TrainMetrics(Callback):
     """Logs the built-in training metrics through `engine.log`.
 
-    Per step: two `perf_counter` reads and a reference to the detached loss
-    (no copy, no sync), read at on_step_end, or at each micro-batch's
-    on_forward under gradient accumulation; the interval's losses are
-    averaged on the device and logged once (weighted by their count). Per log interval: learning rates, gradient norm,
-    mean step time and data-wait time, samples/s, tokens/s, TFLOP/s and MFU.
+    Per step: two `perf_counter` reads and the loss, taken at on_step_end, or
+    at each micro-batch's on_forward under gradient accumulation. On an
+    accelerator the loss is kept as a reference to the detached tensor (no
+    copy, no host sync) and the interval's losses are averaged on the device
+    once; on the CPU, where the value is ready when the loss is returned, it
+    is read and summed as a float. Either way the interval's mean is logged
+    once, weighted by the number of losses. Per log interval: learning
+    rates, gradient norm, mean step time and data-wait time, samples/s,
+    tokens/s, TFLOP/s and MFU.
     Data wait is the time from the end of the previous step to the start of
     this one (the micro-batches are fetched in between); evaluation and
     checkpoint saves in that gap are not counted. Throughput divides the
@@ -108,7 +112,10 @@ class TrainMetrics(Callback):
         self._between_steps = False
         self._loss_at_step_end = False
         self._forward_handle: Handle | None = None
-        self._losses: list[torch.Tensor] = []  # this interval's micro-batch losses
+        self._losses: list[torch.Tensor] = []  # this interval's micro-batch losses (off the CPU)
+        self._loss_sum = 0.0  # ... or their sum and count, read as they come (on the CPU)
+        self._loss_count = 0
+        self._read_losses = False
         self._reset_window(0, 0)
 
     def _reset_window(self, samples: int, tokens: int) -> None:
@@ -128,6 +135,10 @@ class TrainMetrics(Callback):
         # micro-batch's loss is kept from on_forward (a call per micro-batch
         # only when there is more than one).
         self._loss_at_step_end = self._log_loss and engine.config.grad_accum == 1
+        # A CPU loss is computed by the time it is returned: reading it waits for
+        # nothing, and costs less than keeping an interval's tensors alive. On an
+        # accelerator it would wait for the device: keep references instead.
+        self._read_losses = engine.backend.device.type == "cpu"
         if self._log_loss and not self._loss_at_step_end and self._forward_handle is None:
             self._forward_handle = engine.on(Event.ON_FORWARD, order=self.order)(self._keep_loss)
 
@@ -138,8 +149,12 @@ class TrainMetrics(Callback):
         self._between_steps = False
 
     def _keep_loss(self, engine: Engine) -> None:
-        # A reference to the detached loss: no copy, no host sync until the interval.
-        self._losses.append(engine.loss.detach())  # type: ignore[union-attr]
+        loss: torch.Tensor = engine.loss  # type: ignore[assignment]
+        if self._read_losses:
+            self._loss_sum += loss.item()
+            self._loss_count += 1
+        else:  # a reference to the detached loss: no copy, no host sync until the interval
+            self._losses.append(loss.detach())
 
     def on_step_end(self, engine: Engine) -> None:
         now = perf_counter()
@@ -148,7 +163,7 @@ class TrainMetrics(Callback):
         self._last_end = now
         self._between_steps = True
         if self._loss_at_step_end:
-            self._losses.append(engine.loss.detach())  # type: ignore[union-attr]
+            self._keep_loss(engine)
         if engine.state.step % self._interval == 0:  # the engine reduces right after on_step_end
             self._log_interval(engine)
 
@@ -178,6 +193,9 @@ class TrainMetrics(Callback):
             stacked = torch.stack(losses)
             dtype = torch.float32 if stacked.device.type == "mps" else torch.float64
             engine.log("loss", stacked.mean(dtype=dtype), "mean", weight=float(len(losses)))
+        if self._loss_count:
+            engine.log("loss", self._loss_sum / self._loss_count, "mean", weight=float(self._loss_count))
+            self._loss_sum, self._loss_count = 0.0, 0
         if config.learning_rate:
             for name, value in learning_rates(engine.optimizers):
                 engine.log(name, value, "last")
