@@ -163,7 +163,11 @@ class TrainMetrics(Callback):
         self._last_end = now
         self._between_steps = True
         if self._loss_at_step_end:
-            self._keep_loss(engine)
+            if self._read_losses:  # _keep_loss's CPU case, without the call
+                self._loss_sum += engine.loss.item()  # type: ignore[union-attr]
+                self._loss_count += 1
+            else:
+                self._keep_loss(engine)
         if engine.state.step % self._interval == 0:  # the engine reduces right after on_step_end
             self._log_interval(engine)
 

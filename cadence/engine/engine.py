@@ -335,13 +335,16 @@ class Engine:
         log_interval, eval_every = self.config.log_interval, self.config.eval_every_steps
         plan = self.backend.step_plan(self)  # what to call per step; None: nothing (or the plain thing inline)
         schedule, to_device, sync, backward = plan.schedule, plan.to_device, plan.gradient_sync, plan.backward
-        finish, agree, optimizer_step, zero_grad = plan.finish_gradients, plan.agree, plan.optimizer_step, plan.zero_grad
+        finish, agree = plan.finish_gradients, plan.agree
+        optimizer_step, zero_grad = plan.optimizer_step, plan.zero_grad
         plain = plan.autocast is NULL_CONTEXT
         forward = self.compute_loss if plain else partial(_within, plan.autocast, self.compute_loss)
         requests.clear_agreed()
         fire(Event.ON_FIT_START)
-        # compute_loss's usual case, inlined below: loss_fn over (inputs, targets).
-        model, pair_loss = self.wrapped_model, self.loss_fn if plain and self.step_fn is None else None
+        # compute_loss's usual case, inlined below: loss_fn over (inputs, targets),
+        # unless a subclass computes the loss its own way.
+        inline = plain and self.step_fn is None and type(self).compute_loss is Engine.compute_loss
+        model, pair_loss = self.wrapped_model, self.loss_fn if inline else None
         while state.step < stop_step and state.epoch < stop_epoch and not agreed[stop]:
             if state.batch_in_epoch == 0:
                 fire(Event.ON_EPOCH_START)

@@ -183,8 +183,12 @@ def test_a_backend_that_overrides_backward_or_agree_keeps_it():
     halved, _ = train(HalfBackward(), steps=2, grad_accum=1)
     plain_model = tiny_model()
     plain = cadence.Engine(
-        plain_model, torch.optim.SGD(plain_model.parameters(), lr=0.05), tiny_batches(12),
-        loss_fn=F.cross_entropy, backend=LocalBackend(device="cpu"), seed=0,
+        plain_model,
+        torch.optim.SGD(plain_model.parameters(), lr=0.05),
+        tiny_batches(12),
+        loss_fn=F.cross_entropy,
+        backend=LocalBackend(device="cpu"),
+        seed=0,
     )
     plain.fit(steps=2)
     for a, b in zip(halved.model.parameters(), plain_model.parameters()):
@@ -197,8 +201,12 @@ def test_a_backend_that_overrides_backward_or_agree_keeps_it():
 def test_a_batch_replaced_in_on_batch_and_a_loss_replaced_in_on_forward_are_used():
     model = tiny_model()
     engine = cadence.Engine(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(4), loss_fn=F.cross_entropy,
-        backend=LocalBackend(device="cpu"), seed=0,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_batches(4),
+        loss_fn=F.cross_entropy,
+        backend=LocalBackend(device="cpu"),
+        seed=0,
     )
     seen = []
     model.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
@@ -216,3 +224,26 @@ def test_a_batch_replaced_in_on_batch_and_a_loss_replaced_in_on_forward_are_used
     engine.fit(steps=2)
     assert seen == [2, 2]  # the forward ran on the replaced batch
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # backward ran on the replaced loss
+
+
+class ZeroLossEngine(cadence.Engine):
+    """Computes the loss its own way: the loop must call this, not its inlined usual case."""
+
+    def compute_loss(self, batch):
+        outputs, loss = super().compute_loss(batch)
+        return outputs, loss * 0.0
+
+
+def test_an_engine_subclass_that_overrides_compute_loss_keeps_it():
+    model = tiny_model()
+    engine = ZeroLossEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_batches(4),
+        loss_fn=F.cross_entropy,
+        backend=LocalBackend(device="cpu"),
+        seed=0,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.fit(steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

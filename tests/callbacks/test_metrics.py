@@ -40,8 +40,20 @@ def record_logs(engine):
     return logs
 
 
-def test_loss_is_the_mean_of_every_micro_batch_loss_of_the_interval():
-    engine = make_engine([TrainMetrics()], grad_accum=2)
+class KeepLossTensors(TrainMetrics):
+    """TrainMetrics as on an accelerator: the losses stay tensors until the interval."""
+
+    def on_fit_start(self, engine):
+        super().on_fit_start(engine)
+        self._read_losses = False
+
+
+LOSS_PATHS = pytest.mark.parametrize("metrics", [TrainMetrics, KeepLossTensors], ids=["read-on-cpu", "kept-tensors"])
+
+
+@LOSS_PATHS
+def test_loss_is_the_mean_of_every_micro_batch_loss_of_the_interval(metrics):
+    engine = make_engine([metrics()], grad_accum=2)
     losses = []
     engine.on(cadence.Event.ON_FORWARD, order=99)(lambda e: losses.append(e.loss.item()))
     logs = record_logs(engine)
@@ -53,8 +65,9 @@ def test_loss_is_the_mean_of_every_micro_batch_loss_of_the_interval():
     assert set(logs[0][1]) == {"loss", "lr", "time.step", "time.data_wait", "throughput.samples_per_sec"}
 
 
-def test_without_accumulation_the_loss_is_read_once_per_step_and_nothing_listens_to_forward():
-    engine = make_engine([TrainMetrics()])
+@LOSS_PATHS
+def test_without_accumulation_the_loss_is_read_once_per_step_and_nothing_listens_to_forward(metrics):
+    engine = make_engine([metrics()])
     losses, forward_hooks = [], []
     engine.on(cadence.Event.ON_STEP_END, order=99)(lambda e: losses.append(e.loss.item()))
     engine.on(cadence.Event.ON_FIT_END)(lambda e: forward_hooks.append(len(e.hooks(cadence.Event.ON_FORWARD))))
@@ -63,7 +76,7 @@ def test_without_accumulation_the_loss_is_read_once_per_step_and_nothing_listens
     assert forward_hooks == [0]
     assert logs[0][1]["loss"] == pytest.approx(sum(losses[:3]) / 3, rel=1e-12)
     assert logs[1][1]["loss"] == pytest.approx(sum(losses[3:]) / 3, rel=1e-12)
-    accumulating = make_engine([TrainMetrics()], grad_accum=2)
+    accumulating = make_engine([metrics()], grad_accum=2)
     accumulating.on(cadence.Event.ON_FIT_END)(lambda e: forward_hooks.append(len(e.hooks(cadence.Event.ON_FORWARD))))
     accumulating.fit(steps=2)
     assert forward_hooks == [0, 1] and accumulating.hooks(cadence.Event.ON_FORWARD) == ()  # removed after the fit
