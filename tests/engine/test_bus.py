@@ -188,6 +188,27 @@ def test_hook_exception_names_callback_and_event_then_exception_and_teardown_run
     assert all(p.grad is None for p in engine.model.parameters())
 
 
+@pytest.mark.parametrize("failing", [0, 3, 6])
+def test_the_hook_that_raised_is_named_among_the_hooks_of_its_event(failing):
+    calls = []
+
+    class Step(Callback):
+        def __init__(self, i):
+            self.i, self.state_key = i, f"step{i}"
+
+        def on_step_end(self, engine):
+            calls.append(self.i)
+            if self.i == failing:
+                raise KeyError(f"hook {self.i}")
+
+    engine = make_engine(callbacks=[Step(i) for i in range(7)])
+    with pytest.raises(HookError) as info:
+        engine.fit(steps=1)
+    assert info.value.callback.state_key == f"step{failing}" and info.value.event is Event.ON_STEP_END
+    assert f"'step{failing}'" in str(info.value) and isinstance(info.value.original, KeyError)
+    assert calls == list(range(failing + 1))  # the hooks after it did not run
+
+
 def test_teardown_error_surfaces_when_nothing_else_failed():
     class BadTeardown(Callback):
         def on_teardown(self, engine):
