@@ -1,6 +1,6 @@
 """Per-step overhead of Cadence against a hand-written PyTorch loop.
 
-    python benchmarks/overhead.py            # full run (about 6 minutes)
+    python benchmarks/overhead.py            # full run (about 7 minutes)
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
 
 Each measurement runs in a fresh process with one thread and glibc's malloc
@@ -11,7 +11,9 @@ checked to end with identical parameters. Reports the median per-step time
 over the repeats and the ratio to the raw loop (the median, over the
 alternations, of each run's time over the raw run just before it); the cost of no-op callbacks
 that override every step hook (us per callback per step, the median over the
-alternations of the difference to the bare Cadence run); the cost of the
+alternations of the difference to the bare Cadence run), next to its floor: the
+raw loop calling the same hooks of 100 objects itself, from plain loops over
+bound methods at the same seven points of the step; the cost of the
 default sinks (TrainMetrics, progress bar, JSONL, text log; log interval 50);
 and how long `import cadence` takes after `import torch`.
 
@@ -104,6 +106,41 @@ def worker(kind: str, workload: str, callbacks: int) -> dict:
         start = time.perf_counter()
         run(data[warm:])
         elapsed = time.perf_counter() - start
+    elif kind == "hand-hooks":
+        # The floor for callbacks: the raw loop calling the same no-op hooks of
+        # `callbacks` objects itself, each step point a plain loop over bound methods.
+        noop = type("NoOp", (), {h: (lambda self, engine: None) for h in STEP_HOOKS})
+        objects = [noop() for _ in range(callbacks)]
+        start_, batch_, forward_, backward_, before_, stepped_, end_ = (
+            tuple(getattr(o, h) for o in objects) for h in STEP_HOOKS
+        )
+        state = object()
+
+        def run(batches):
+            for x, y in batches:
+                for hook in start_:
+                    hook(state)
+                for hook in batch_:
+                    hook(state)
+                loss = F.cross_entropy(model(x), y)
+                for hook in forward_:
+                    hook(state)
+                loss.backward()
+                for hook in backward_:
+                    hook(state)
+                for hook in before_:
+                    hook(state)
+                optimizer.step()
+                for hook in stepped_:
+                    hook(state)
+                optimizer.zero_grad(set_to_none=True)
+                for hook in end_:
+                    hook(state)
+
+        run(data[:warm])
+        start = time.perf_counter()
+        run(data[warm:])
+        elapsed = time.perf_counter() - start
     else:
         import cadence
 
@@ -165,7 +202,7 @@ def import_time(repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=9, help="alternated raw/Cadence pairs per measurement")
+    parser.add_argument("--repeats", type=int, default=11, help="alternated raw/Cadence pairs per measurement")
     parser.add_argument("--quick", action="store_true", help="3 repeats, W1 only")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="W1", help=argparse.SUPPRESS)
@@ -180,7 +217,7 @@ def main() -> None:
     for workload in workloads:
         variants = [("cadence", 0)]
         if workload == "W1":
-            variants += [("cadence", 10), ("cadence", 100), ("sinks", 0)]
+            variants += [("cadence", 10), ("cadence", 100), ("hand-hooks", 100), ("sinks", 0)]
         times: dict[tuple[str, int], list[float]] = {("raw", 0): [], **{v: [] for v in variants}}
         for _ in range(repeats):
             raw = run_worker("raw", workload)
@@ -197,13 +234,19 @@ def main() -> None:
             median = statistics.median(times[(kind, n)])
             # Each alternation's run against the raw run just before it: drift of
             # the machine over the minutes of a benchmark cancels within a pair.
-            ratio = statistics.median(t / r for t, r in zip(times[(kind, n)], raw_times))
-            label = "cadence, default sinks" if kind == "sinks" else f"cadence, {n} no-op callbacks"
-            # Likewise per alternation: n callbacks' run against the bare Cadence run of the same alternation.
-            per_callback = (
-                statistics.median((t - b) / n for t, b in zip(times[(kind, n)], times[("cadence", 0)])) if n else 0
-            )
-            extra = f"{per_callback:.3f} us/callback/step" if n else ""
+            ratios = sorted(t / r for t, r in zip(times[(kind, n)], raw_times))
+            ratio = statistics.median(ratios)
+            label = {
+                "sinks": "cadence, default sinks",
+                "hand-hooks": f"raw loop calling {n} no-op hook sets",
+            }.get(kind, f"cadence, {n} no-op callbacks")
+            # Likewise per alternation: n callbacks' run against the run without them
+            # (bare Cadence for Cadence, the raw loop for the hand-written hooks).
+            base = raw_times if kind == "hand-hooks" else times[("cadence", 0)]
+            per_callback = statistics.median((t - b) / n for t, b in zip(times[(kind, n)], base)) if n else 0
+            extra = f"{per_callback:.3f} us/callback/step; " if n else ""
+            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratio, ratio, ratio]
+            extra += f"ratios {quartiles[0]:.3f}-{quartiles[2]:.3f} (quartiles)"
             rows.append((workload, label, median, ratio, extra))
     print(f"{'workload':8}  {'variant':32}  {'us/step':>9}  {'ratio':>6}  notes")
     for workload, label, median, ratio, extra in rows:

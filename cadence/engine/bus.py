@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +145,11 @@ class EventBus:
         self.table: dict[Event, tuple[Callable[[Engine], None], ...]] = {e: () for e in Event}
         self._plain_table = dict(self.table)
         self._instrument: Callable[[Event], Any] | None = None
+        #: Event -> `fire_event(engine)`, calling that event's hooks (read from
+        #: `table` at each call) with the event's own copy of the dispatch loop.
+        self.fires: dict[Event, Callable[[Engine], None]] = {
+            e: types.FunctionType(_DISPATCH_CODE[e], globals(), e.value, (self.table, e)) for e in Event
+        }
 
     # -- registration -----------------------------------------------------
 
@@ -232,15 +238,7 @@ class EventBus:
     # -- dispatch ---------------------------------------------------------
 
     def fire(self, event: Event) -> None:
-        engine = self._engine
-        hook = None
-        try:
-            for hook in self.table[event]:
-                hook(engine)
-        except HookError:
-            raise
-        except Exception as exc:
-            raise HookError(_owner(hook), event, exc, engine.state.step) from exc
+        self.fires[event](self._engine)
 
     def fire_all(self, event: Event) -> list[BaseException]:
         """Call every hook even if some raise (for on_exception / on_teardown)."""
@@ -251,6 +249,26 @@ class EventBus:
             except Exception as exc:
                 errors.append(HookError(_owner(hook), event, exc, self._engine.state.step))
         return errors
+
+
+def _dispatch(engine: Engine, table: dict[Event, tuple[Any, ...]] | None = None, event: Any = None) -> None:
+    """Call `event`'s hooks in order; the template of every event's `fires` entry."""
+    hook = None
+    try:
+        for hook in table[event]:  # type: ignore[index]
+            hook(engine)
+    except HookError:
+        raise
+    except Exception as exc:
+        raise HookError(_owner(hook), event, exc, engine.state.step) from exc
+
+
+# Each event dispatches with its own copy of `_dispatch`'s code. CPython
+# specializes a call site for the function it keeps calling; one loop shared by
+# every event calls all of their hooks from one site and stays generic
+# (measured 36 against 29 ns a hook). With a copy per event, the site of an
+# event with one listener, the usual case, always calls the same function.
+_DISPATCH_CODE = {e: _dispatch.__code__.replace(co_name=e.value) for e in Event}
 
 
 class _Instrumented:
