@@ -134,7 +134,8 @@ class EventBus:
     """Holds callbacks in their resolved order and dispatches events.
 
     At each registration it rebuilds, per event, one tuple of the bound hooks
-    of the callbacks that override it, so `fire` is a loop over a tuple.
+    of the callbacks that override it, so firing an event is a loop over a
+    tuple; each event runs that loop from its own copy of the code (`fires`).
     """
 
     def __init__(self, engine: Engine) -> None:
