@@ -14,11 +14,11 @@ from tests.conftest import tiny_batches, tiny_model
 pytestmark = pytest.mark.timeout(60)
 
 
-def train(backend=None, steps=3, grad_accum=2, **kwargs):
+def make(backend=None, grad_accum=2, lr=0.1, engine_class=cadence.Engine, **kwargs):
     model = tiny_model()
-    engine = cadence.Engine(
+    return engine_class(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(model.parameters(), lr=lr),
         tiny_batches(12),
         loss_fn=F.cross_entropy,
         backend=backend or LocalBackend(device="cpu"),
@@ -26,6 +26,10 @@ def train(backend=None, steps=3, grad_accum=2, **kwargs):
         seed=0,
         **kwargs,
     )
+
+
+def train(backend=None, steps=3, grad_accum=2, lr=0.1, **kwargs):
+    engine = make(backend, grad_accum, lr, **kwargs)
     events = []
     for event in (Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD):
         engine.on(event)(lambda e, name=event.value: events.append(name))
@@ -181,17 +185,8 @@ def test_a_backend_that_overrides_backward_or_agree_keeps_it():
     assert backend.calls == [2] * 6  # every micro-batch, told how many the step has
     # Half the gradient at lr 0.1 is the plain gradient at lr 0.05 (SGD without momentum).
     halved, _ = train(HalfBackward(), steps=2, grad_accum=1)
-    plain_model = tiny_model()
-    plain = cadence.Engine(
-        plain_model,
-        torch.optim.SGD(plain_model.parameters(), lr=0.05),
-        tiny_batches(12),
-        loss_fn=F.cross_entropy,
-        backend=LocalBackend(device="cpu"),
-        seed=0,
-    )
-    plain.fit(steps=2)
-    for a, b in zip(halved.model.parameters(), plain_model.parameters()):
+    plain, _ = train(steps=2, grad_accum=1, lr=0.05)
+    for a, b in zip(halved.model.parameters(), plain.model.parameters()):
         torch.testing.assert_close(a, b)
     agreeing = CountingAgreement()
     engine, _ = train(agreeing, steps=3, grad_accum=1)
@@ -199,15 +194,8 @@ def test_a_backend_that_overrides_backward_or_agree_keeps_it():
 
 
 def test_a_batch_replaced_in_on_batch_and_a_loss_replaced_in_on_forward_are_used():
-    model = tiny_model()
-    engine = cadence.Engine(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        tiny_batches(4),
-        loss_fn=F.cross_entropy,
-        backend=LocalBackend(device="cpu"),
-        seed=0,
-    )
+    engine = make(grad_accum=1)
+    model = engine.model
     seen = []
     model.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
 
@@ -235,15 +223,8 @@ class ZeroLossEngine(cadence.Engine):
 
 
 def test_an_engine_subclass_that_overrides_compute_loss_keeps_it():
-    model = tiny_model()
-    engine = ZeroLossEngine(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        tiny_batches(4),
-        loss_fn=F.cross_entropy,
-        backend=LocalBackend(device="cpu"),
-        seed=0,
-    )
+    engine = make(grad_accum=1, engine_class=ZeroLossEngine)
+    model = engine.model
     before = [p.detach().clone() for p in model.parameters()]
     engine.fit(steps=2)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
