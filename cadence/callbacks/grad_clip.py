@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import torch
 
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
+from cadence.engine.metrics import Collector
 from cadence.engine.order import Order
 
 if TYPE_CHECKING:
@@ -27,7 +30,7 @@ class GradClipConfig:
     Attributes:
         max_norm: the largest total gradient norm allowed.
         norm_type: the p of the p-norm (2.0; `inf` for the largest absolute value).
-        log: log the pre-clip norm as `grad_norm` at log intervals.
+        log: log the pre-clip norm as `grad_norm` at log intervals (and a fit's end).
     """
 
     max_norm: float = attrs.field(validator=_positive)
@@ -41,8 +44,9 @@ class GradClip(Callback):
     The backend's `clip_grad_norm_` computes the total norm over every rank's
     shard (sharded backends override it), so clipping is correct however the
     model is distributed. The pre-clip norm stays on the device as
-    `engine.grad_norm` (no sync); on the last step of each log interval it is
-    logged as `grad_norm` (so the reduced value is that step's norm).
+    `engine.grad_norm` (no sync); at each reduction of the training metrics
+    (every log interval, and the end of a fit) the last step's norm is
+    logged as `grad_norm` (reduced with `max` over the ranks).
 
     Order: `Order.GRAD_CLIP` (20), after `NonFiniteSkip` (which must see the
     raw gradients: clipping a NaN norm spreads NaN into every gradient).
@@ -65,12 +69,24 @@ class GradClip(Callback):
         if isinstance(kwargs.get("norm_type"), str):
             kwargs["norm_type"] = float(kwargs["norm_type"])  # "inf"
         self.config = config_module.configure(GradClipConfig, config, kwargs, "grad_clip")
+        self._norm: torch.Tensor | None = None
+        self._collector: Collector | None = None
+
+    def on_fit_start(self, engine: Engine) -> None:
+        if self.config.log and self._collector is None:
+            self._collector = engine.metrics.add_collector(partial(self._log_norm, engine))
 
     def on_before_optimizer_step(self, engine: Engine) -> None:
         config = self.config
         norm = engine.backend.clip_grad_norm_(engine, config.max_norm, config.norm_type)
-        engine.grad_norm = norm  # type: ignore[attr-defined]  # read by TrainMetrics and users
-        # state.step counts completed steps: this step ends as step + 1, and the
-        # engine reduces logged metrics when that is a multiple of log_interval.
-        if config.log and (engine.state.step + 1) % engine.config.log_interval == 0:
-            engine.log("grad_norm", norm.detach(), reduce="max")
+        engine.grad_norm = self._norm = norm  # type: ignore[attr-defined]  # read by TrainMetrics and users
+
+    def _log_norm(self, engine: Engine) -> None:
+        if self._norm is not None:  # the last step's norm, logged when the engine reduces
+            engine.log("grad_norm", self._norm.detach(), reduce="max")
+
+    def on_teardown(self, engine: Engine) -> None:
+        self._norm = None
+        if self._collector is not None:
+            self._collector.remove()
+            self._collector = None

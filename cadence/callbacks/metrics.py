@@ -1,15 +1,17 @@
 """Built-in training metrics (loss, learning rate, timing, throughput, MFU) and the default sinks.
 
 The step pays for the loss and two clock reads: the detached loss is kept (no
-copy, no host sync; on the CPU its ready value is summed), times are Python floats, and everything else is
-computed once per `log_interval`, right before the engine reduces the
-metrics. See docs/observability.md.
+copy, no host sync; on the CPU its ready value is summed), times are Python
+floats, and everything else is computed by a collector right before the
+engine reduces the metrics (every `log_interval`, and at the end of a fit).
+See docs/observability.md.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from functools import partial
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,6 +22,7 @@ from cadence.engine import config as config_module
 from cadence.engine.bus import Handle
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
+from cadence.engine.metrics import Collector
 from cadence.engine.order import Order
 
 if TYPE_CHECKING:
@@ -77,9 +80,11 @@ class TrainMetrics(Callback):
     copy, no host sync) and the interval's losses are averaged on the device
     once; on the CPU, where the value is ready when the loss is returned, it
     is read and summed as a float. Either way the interval's mean is logged
-    once, weighted by the number of losses. Per log interval: learning
-    rates, gradient norm, mean step time and data-wait time, samples/s,
-    tokens/s, TFLOP/s and MFU.
+    once, weighted by the number of losses. At each reduction (every log
+    interval, and the end of a fit that stopped between two), from a
+    collector (`MetricStore.add_collector`): learning rates, gradient norm,
+    mean step time and data-wait time, samples/s, tokens/s, TFLOP/s and MFU,
+    over the steps since the previous one.
     Data wait is the time from the end of the previous step to the start of
     this one (the micro-batches are fetched in between); evaluation and
     checkpoint saves in that gap are not counted. Throughput divides the
@@ -106,7 +111,7 @@ class TrainMetrics(Callback):
     def __init__(self, config: TrainMetricsConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(TrainMetricsConfig, config, kwargs, "TrainMetrics")
         self._log_loss = self.config.loss
-        self._interval = 1
+        self._collector: Collector | None = None
         self._step_start = 0.0
         self._last_end = 0.0
         self._between_steps = False
@@ -127,7 +132,8 @@ class TrainMetrics(Callback):
     # -- per step (the hot path) ----------------------------------------------
 
     def on_fit_start(self, engine: Engine) -> None:
-        self._interval = engine.config.log_interval
+        if self._collector is None:
+            self._collector = engine.metrics.add_collector(partial(self._collect, engine))
         self._reset_window(engine.state.samples_seen, engine.state.tokens_seen)
         self._last_end = perf_counter()  # the first step's data wait includes opening the epoch
         self._between_steps = True
@@ -168,8 +174,6 @@ class TrainMetrics(Callback):
                 self._loss_count += 1
             else:
                 self._keep_loss(engine)
-        if engine.state.step % self._interval == 0:  # the engine reduces right after on_step_end
-            self._log_interval(engine)
 
     # -- gaps that are not data wait ------------------------------------------
 
@@ -186,10 +190,13 @@ class TrainMetrics(Callback):
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None
+        if self._collector is not None:
+            self._collector.remove()
+            self._collector = None
 
-    # -- per interval -----------------------------------------------------------
+    # -- per reduction (the collector) ------------------------------------------
 
-    def _log_interval(self, engine: Engine) -> None:
+    def _collect(self, engine: Engine) -> None:
         config, state = self.config, engine.state
         if self._losses:
             # One device op per interval instead of one logged value per micro-batch.

@@ -44,7 +44,8 @@ class EngineConfig:
         grad_accum: micro-batches per optimizer step (gradient accumulation).
         eval_every_epochs: evaluate after every N epochs (None: never at epoch end).
         eval_every_steps: evaluate after every N steps (None: never mid-epoch).
-        log_interval: reduce logged metrics and fire on_log every N steps.
+        log_interval: reduce logged metrics and fire on_log every N steps, and
+            at the end of a fit that stopped between two multiples of N.
         precision: fp32, bf16 (autocast) or fp16 (autocast with a GradScaler, CUDA only).
         device: cpu, cuda, cuda:1, mps; None picks the backend's default.
         backend: backend name (auto, local, ddp, ...); auto picks ddp when WORLD_SIZE > 1.
@@ -341,6 +342,7 @@ class Engine:
         plain = plan.autocast is NULL_CONTEXT
         forward = self.compute_loss if plain else partial(_within, plan.autocast, self.compute_loss)
         requests.clear_agreed()
+        first_step = state.step
         fire(Event.ON_FIT_START)
         # compute_loss's usual case, inlined below: loss_fn over (inputs, targets),
         # unless a subclass computes the loss its own way.
@@ -397,6 +399,8 @@ class Engine:
                     break
             if self._epoch_iter is None or self._data_ran_out():
                 self._end_epoch()
+        if state.step % log_interval and state.step > first_step:
+            self._log_metrics()  # the steps since the last interval: every fit ends logged
         fire(Event.ON_FIT_END)
 
     def _place(self, batch: Any) -> Any:
@@ -490,6 +494,7 @@ class Engine:
             self.requests.any_agreed = True
 
     def _log_metrics(self) -> None:
+        self.metrics.collect()  # values callbacks aggregate themselves (TrainMetrics)
         if self.metrics:
             self.logged = self.metrics.compute(self.backend)
             self.fire(Event.ON_LOG)

@@ -48,6 +48,7 @@ class Event(_StrEnum):
             evaluate()                    every eval_every_epochs, if configured
             on_epoch_end
             agree control requests        so a stop raised at epoch end holds everywhere
+          on_log                          if steps ran since the last interval: metrics reduced
           on_fit_end
         always, when a run (fit/evaluate/predict) raised: on_exception
         always, at the end of a run: on_teardown

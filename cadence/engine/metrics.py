@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -32,10 +33,15 @@ class MetricStore:
     single `all_gather` over the data domain, then reduces each metric with its
     own rule: `mean` is exact (sum of value * weight over sum of weights, on
     every rank), `sum`, `max`, `min` reduce across ranks, `last` takes rank 0's.
+
+    Values a callback aggregates itself (per-step sums, timings) join the
+    reductions through a collector (`add_collector`), which the engine calls
+    right before each one: at every log interval and at the end of a fit.
     """
 
     def __init__(self) -> None:
         self._series: dict[str, _Series] = {}
+        self._collectors: list[Callable[[], None]] = []
 
     def log(self, name: str, value: Any, reduce: Reduction = "mean", weight: float = 1.0) -> None:
         series = self._series.get(name)
@@ -54,6 +60,25 @@ class MetricStore:
             self.log(name, 0.0, reduce, weight=0.0)
             self._series[name].values.clear()
             self._series[name].weights.clear()
+
+    def add_collector(self, collect: Callable[[], None]) -> Collector:
+        """Have `collect()` log its values (through `log`) right before each reduction.
+
+        The engine reduces the training metrics at every `log_interval` and at
+        the end of a fit that stopped between two intervals; a callback that
+        keeps its own running sums logs them from a collector and so takes
+        part in both without knowing when they come. Collectors run in the
+        order they were added; `remove()` on the returned handle stops one.
+        """
+        if not callable(collect):
+            raise TypeError(f"add_collector needs a callable, got {type(collect).__name__}")
+        self._collectors.append(collect)
+        return Collector(self, collect)
+
+    def collect(self) -> None:
+        """Run the collectors: each logs its pending values into this store."""
+        for collect in tuple(self._collectors):
+            collect()
 
     def __bool__(self) -> bool:
         return bool(self._series)
@@ -164,3 +189,16 @@ def _finish(kind: str, a: list[float], b: list[float]) -> float:
     if kind == "min":
         return min(present)
     return present[0]
+
+
+class Collector:
+    """Returned by `MetricStore.add_collector`; `remove()` stops the collector."""
+
+    def __init__(self, store: MetricStore, collect: Callable[[], None]) -> None:
+        self._store, self.collect = store, collect
+
+    def remove(self) -> None:
+        """Stop calling the collector (no error if already removed)."""
+        collectors = self._store._collectors
+        if self.collect in collectors:
+            collectors.remove(self.collect)

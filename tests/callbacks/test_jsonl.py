@@ -99,6 +99,34 @@ def test_resume_truncates_the_lines_after_the_checkpoint(tmp_path):
     assert [r["attempt"] for r in records if "split" not in r] == [1, 1, 1, 1, 2, 2, 2]
 
 
+def test_a_fit_ending_between_intervals_writes_its_last_step_and_a_resume_continues_after_it(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = make_engine(
+        [TrainMetrics(), JSONL(), Checkpoint(dir=ckpt, interval=4, unit="step", save_on_fit_end=False)],
+        workspace=str(tmp_path), run_id="r",
+    )  # fmt: skip
+    tag_attempt(first, 1)
+    first.fit(steps=7)  # lines at 2, 4, 6 and the fit's last step 7; checkpoint at 4
+    path = first.run_dir / "metrics.jsonl"
+    assert [r["step"] for r in read_jsonl(path)] == [2, 4, 6, 7]
+
+    second = make_engine(
+        [TrainMetrics(), JSONL(), Checkpoint(dir=ckpt, auto_resume=True, save_on_fit_end=True)],
+        workspace=str(tmp_path), run_id="r", steps=9,
+    )  # fmt: skip
+    tag_attempt(second, 2)
+    second.fit()  # restored at 4: 6 and 8 at their intervals, 9 at the end
+    records = read_jsonl(path)
+    assert [(r["step"], r["attempt"]) for r in records] == [(2, 1), (4, 1), (6, 2), (8, 2), (9, 2)]
+
+    third = make_engine(
+        [TrainMetrics(), JSONL(), Checkpoint(dir=ckpt, auto_resume=True)], workspace=str(tmp_path), run_id="r", steps=12
+    )
+    tag_attempt(third, 3)
+    third.fit()  # restored at 9 (saved when the fit ended): 10 and 12
+    assert [(r["step"], r["attempt"]) for r in read_jsonl(path)][-3:] == [(9, 2), (10, 3), (12, 3)]
+
+
 def test_first_open_drops_a_previous_attempts_lines_and_a_torn_line(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 0, "split": "val", "val.loss": 1.0}\n{"step": 4, "loss": 9.0}\n{"step": 6, "lo')
@@ -160,3 +188,43 @@ def test_ddp_eval_line_holds_the_exact_global_mean(tmp_path):
     assert record["val.loss"] == pytest.approx(expected, rel=1e-6, abs=0)  # float32 batch means
     assert results["val.loss"] == record["val.loss"]
     assert abs(mean_of_means - expected) > 1e-4  # the data tells an exact mean from a mean of means
+
+
+def ddp_train_between_intervals(workspace):
+    import torch.distributed as dist
+
+    from cadence.callbacks.grad_clip import GradClip
+
+    rank = int(os.environ["RANK"])
+    g = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
+    model = tiny_model()
+    engine = cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        loss_fn=F.cross_entropy,
+        callbacks=[TrainMetrics(), GradClip(max_norm=1e9), JSONL()],
+        backend="ddp",
+        seed=0,
+        log_interval=2,
+        workspace=workspace,
+        run_id="ddp-train",
+    )
+    losses = []
+    engine.on(cadence.Event.ON_STEP_END)(lambda e: losses.append(e.loss.item()))
+    with engine:
+        engine.fit(steps=3)  # the interval at 2, then step 3 when the fit ends: a collective on both ranks
+        every = [None, None]
+        dist.all_gather_object(every, losses)
+        lines = (engine.run_dir / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
+        return every, lines
+
+
+def test_ddp_fit_ending_between_intervals_reduces_its_last_steps_on_every_rank(tmp_path):
+    every, lines = launch(ddp_train_between_intervals, str(tmp_path), nprocs=2, start_method="fork", timeout=90)
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [2, 3]
+    assert records[0]["loss"] == pytest.approx(sum(losses[i] for losses in every for i in (0, 1)) / 4, rel=1e-9)
+    assert records[1]["loss"] == pytest.approx((every[0][2] + every[1][2]) / 2, rel=1e-9)
+    assert "grad_norm" in records[1]

@@ -239,7 +239,52 @@ def test_survives_fit_twice_and_default_callbacks():
     assert [type(c).__name__ for c in default_callbacks()] == ["TrainMetrics", "ProgressBar", "JSONL", "TextLog"]
 
 
+@LOSS_PATHS
+def test_the_steps_after_the_last_interval_are_logged_when_the_fit_ends(metrics):
+    engine = make_engine([metrics(), GradClip(max_norm=1e9)], log_interval=4)
+    losses, norms = [], []
+    engine.on(cadence.Event.ON_STEP_END, order=99)(lambda e: (losses.append(e.loss.item()), norms.append(e.grad_norm)))
+    logs = record_logs(engine)
+    engine.fit(steps=6)
+    assert [step for step, _ in logs] == [4, 6]
+    last = logs[1][1]
+    assert last["loss"] == pytest.approx(sum(losses[4:]) / 2, rel=1e-12)  # the two steps since step 4
+    assert last["grad_norm"] == pytest.approx(float(norms[-1]))
+    seconds = 2 * (last["time.step"] + last["time.data_wait"])
+    assert last["throughput.samples_per_sec"] * seconds == pytest.approx(2 * 8, rel=1e-9)
+    engine.fit(steps=2)  # 7, 8: the interval at 8, nothing more at the end
+    assert [step for step, _ in logs] == [4, 6, 8]
+    assert logs[2][1]["loss"] == pytest.approx(sum(losses[6:]) / 2, rel=1e-12)
+    assert engine.metrics._collectors == []  # both collectors removed at teardown
+
+
+def test_grad_clip_logs_nothing_without_log_and_leaves_no_collector():
+    engine = make_engine([GradClip(max_norm=1.0, log=False)], log_interval=2)
+    engine.on(cadence.Event.ON_STEP_END)(lambda e: e.log("x", 1.0))
+    logs = record_logs(engine)
+    engine.fit(steps=3)
+    assert [sorted(logged) for _, logged in logs] == [["x"], ["x"]]
+    assert engine.metrics._collectors == []
+
+
 # -- MetricStore -----------------------------------------------------------------------------
+
+
+def test_store_collectors_log_right_before_a_reduction_and_can_be_removed():
+    store = MetricStore()
+    calls = []
+    first = store.add_collector(lambda: (calls.append("first"), store.log("n", 2.0, "sum")))
+    store.add_collector(lambda: calls.append("second"))
+    store.log("n", 1.0, "sum")
+    store.collect()
+    assert calls == ["first", "second"]
+    assert store.compute(LocalBackend()) == {"n": 3.0}
+    first.remove()
+    first.remove()  # removing twice is not an error
+    store.collect()
+    assert calls == ["first", "second", "second"] and not store
+    with pytest.raises(TypeError, match="add_collector needs a callable, got float"):
+        store.add_collector(1.0)
 
 
 def test_store_reductions_tensors_and_numbers_exact():

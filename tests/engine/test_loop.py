@@ -215,6 +215,45 @@ def test_metrics_are_reduced_at_log_intervals():
     assert "loss" in logged[0][1]
 
 
+def test_a_fit_that_ends_between_intervals_is_logged_at_its_last_step():
+    engine = engine_with(log_interval=4)
+    engine.on(Event.ON_STEP_END)(lambda e: e.log("step", float(e.state.step)))
+    logged = []
+    engine.on(Event.ON_LOG)(lambda e: logged.append((e.state.step, dict(e.logged))))
+    engine.fit(steps=6)  # 4, then the two steps after it at the end
+    assert logged == [(4, {"step": 2.5}), (6, {"step": 5.5})]
+    engine.fit(steps=2)  # ends on the interval: one reduction, not two
+    assert logged[2:] == [(8, {"step": 7.5})]
+    engine.fit(steps=1)
+    assert logged[3:] == [(9, {"step": 9.0})]
+
+    epochs = engine_with(batches=3, log_interval=4)  # epoch mode: 2 epochs of 3 steps
+    epochs.on(Event.ON_STEP_END)(lambda e: e.log("step", float(e.state.step)))
+    logged = []
+    epochs.on(Event.ON_LOG)(lambda e: logged.append((e.state.step, e.state.epoch, dict(e.logged))))
+    epochs.fit(epochs=2)
+    assert logged == [(4, 1, {"step": 2.5}), (6, 2, {"step": 5.5})]
+
+
+def test_an_interrupted_fit_is_not_logged_until_the_next_reduction():
+    engine = engine_with(log_interval=4)
+    engine.on(Event.ON_STEP_END)(lambda e: e.log("step", float(e.state.step)))
+    logged = []
+    engine.on(Event.ON_LOG)(lambda e: logged.append((e.state.step, dict(e.logged))))
+
+    def interrupt(e):
+        if e.state.step == 5:
+            raise KeyboardInterrupt
+
+    handle = engine.on(Event.ON_STEP_END)(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.fit(steps=10)
+    assert logged == [(4, {"step": 2.5})]  # no collective on the way out of an interrupt
+    handle.remove()
+    engine.fit(steps=3)  # 6, 7, 8: step 5's value joins the interval that ends at 8
+    assert logged[1:] == [(8, {"step": 6.5})]
+
+
 def test_predict_returns_outputs_per_batch():
     engine = engine_with(predict_data=tiny_batches(3))
     outputs = engine.predict()
