@@ -15,7 +15,9 @@ alternations of the difference to the bare Cadence run), next to its floor: the
 raw loop calling the same hooks of 100 objects itself, from plain loops over
 bound methods at the same seven points of the step; the cost of the
 default sinks (TrainMetrics, progress bar, JSONL, text log; log interval 50);
-and how long `import cadence` takes after `import torch`.
+the callbacks' cost once more in one process, from interleaved blocks of 100
+steps (see `callback_blocks`: the fresh-process estimate is at the mercy of
+the machine's drift); and how long `import cadence` takes after `import torch`.
 
 Workloads:
     W1: MLP 32-64-10, batch 32, 2000 steps, Adam  (overhead dominates)
@@ -172,6 +174,104 @@ def worker(kind: str, workload: str, callbacks: int) -> dict:
     return {"us_per_step": elapsed / steps * 1e6, "params": param_hash(model)}
 
 
+def callback_blocks(callbacks: int, rounds: int, block: int = 100) -> dict:
+    """The cost of `callbacks` no-op callbacks measured in one process, in interleaved blocks.
+
+    Four loops share one model, optimizer and data and take turns, `block`
+    steps each, in a rotating order: the raw loop, the raw loop calling the
+    hooks of `callbacks` objects itself (the floor), a bare Cadence engine and
+    one with `callbacks` no-op callbacks. Each round's differences (Cadence
+    with and without callbacks; hand-written hooks and the raw loop) are taken
+    within seconds of each other, so the machine's drift, which in fresh
+    processes moves a W1 run by more than 100 callbacks cost, cancels.
+    """
+    import torch
+    from torch.nn import functional as F
+
+    import cadence
+
+    torch.set_num_threads(1)
+    model, optimizer, data = build("W1")
+    noop = type("NoOp", (cadence.Callback,), {h: (lambda self, engine: None) for h in STEP_HOOKS})
+    hooked = []
+    for i in range(callbacks):
+        cb = noop()
+        cb.state_key = f"noop{i}"
+        hooked.append(cb)
+    workspace = tempfile.mkdtemp(prefix="cadence-bench-")
+    engines = {
+        name: cadence.Engine(
+            model, optimizer, data, loss_fn=F.cross_entropy, callbacks=cbs, seed=0, log_interval=50, workspace=workspace
+        )
+        for name, cbs in (("cadence", []), ("callbacks", hooked))
+    }
+    objects = [type("Plain", (), {h: (lambda self, engine: None) for h in STEP_HOOKS})() for _ in range(callbacks)]
+    start_, batch_, forward_, backward_, before_, stepped_, end_ = (
+        tuple(getattr(o, h) for o in objects) for h in STEP_HOOKS
+    )
+    state = object()
+
+    def raw(batches):
+        for x, y in batches:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def hand(batches):
+        for x, y in batches:
+            for hook in start_:
+                hook(state)
+            for hook in batch_:
+                hook(state)
+            loss = F.cross_entropy(model(x), y)
+            for hook in forward_:
+                hook(state)
+            loss.backward()
+            for hook in backward_:
+                hook(state)
+            for hook in before_:
+                hook(state)
+            optimizer.step()
+            for hook in stepped_:
+                hook(state)
+            optimizer.zero_grad(set_to_none=True)
+            for hook in end_:
+                hook(state)
+
+    position = 0
+
+    def run(name: str) -> float:
+        nonlocal position
+        batches = data[position : position + block]
+        position = (position + block) % (len(data) - block)
+        started = time.perf_counter()
+        if name == "raw":
+            raw(batches)
+        elif name == "hand":
+            hand(batches)
+        else:
+            engines[name].fit(steps=block)
+        return (time.perf_counter() - started) / block * 1e6
+
+    names = ["raw", "hand", "cadence", "callbacks"]
+    for name in names:  # warm every path up
+        run(name)
+    bus, floor = [], []
+    for r in range(rounds):
+        order = names[r % 4 :] + names[: r % 4]
+        t = {name: run(name) for name in order}
+        bus.append((t["callbacks"] - t["cadence"]) / callbacks)
+        floor.append((t["hand"] - t["raw"]) / callbacks)
+    for engine in engines.values():
+        engine.close()
+    return {
+        "bus": statistics.quantiles(bus, n=4),
+        "floor": statistics.quantiles(floor, n=4),
+        "over_floor": statistics.quantiles([b - f for b, f in zip(bus, floor)], n=4),
+    }
+
+
 def run_worker(kind: str, workload: str, callbacks: int = 0) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", **FIXED_MALLOC)
     out = subprocess.run(
@@ -182,6 +282,13 @@ def run_worker(kind: str, workload: str, callbacks: int = 0) -> dict:
         env=env,
         timeout=900,
     )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_blocks(callbacks: int, rounds: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **FIXED_MALLOC)
+    command = [sys.executable, __file__, "--worker", "blocks", "--callbacks", str(callbacks), "--repeats", str(rounds)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=900)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -208,6 +315,9 @@ def main() -> None:
     parser.add_argument("--workload", default="W1", help=argparse.SUPPRESS)
     parser.add_argument("--callbacks", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "blocks":
+        print(json.dumps(callback_blocks(args.callbacks, rounds=args.repeats)))
+        return
     if args.worker:
         print(json.dumps(worker(args.worker, args.workload, args.callbacks)))
         return
@@ -251,10 +361,20 @@ def main() -> None:
     print(f"{'workload':8}  {'variant':32}  {'us/step':>9}  {'ratio':>6}  notes")
     for workload, label, median, ratio, extra in rows:
         print(f"{workload:8}  {label:32}  {median:9.1f}  {ratio:6.3f}  {extra}")
+    rounds = 20 if args.quick else 80
+    blocks = run_blocks(100, rounds)
+    for key, label in (
+        ("bus", "Cadence, 100 no-op callbacks"),
+        ("floor", "raw loop calling 100 hook sets"),
+        ("over_floor", "Cadence over the floor"),
+    ):
+        low, median, high = blocks[key]
+        print(f"W1 in one process, {label:30} {median:6.3f} us/callback/step ({low:.3f}-{high:.3f}, quartiles)")
     print(f"import cadence after import torch: {import_time(5 if not args.quick else 3):.3f} s (median)")
     print(
         f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal;\n"
-        " us/step: median over the runs; ratio: median over the alternations of run / the raw run before it)"
+        " us/step: median over the runs; ratio: median over the alternations of run / the raw run before it;\n"
+        f" in one process: {rounds} rounds of 100-step blocks of each loop in rotating order, one model)"
     )
 
 
