@@ -87,6 +87,58 @@ def param_hash(model) -> str:
     return digest.hexdigest()[:16]
 
 
+def raw_loop(model, optimizer):
+    """The hand-written loop: forward, loss, backward, step, zero_grad."""
+    from torch.nn import functional as F
+
+    def run(batches):
+        for x, y in batches:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def hooked_loop(model, optimizer, callbacks: int):
+    """The floor for callbacks: the raw loop calling the no-op hooks of `callbacks` objects itself.
+
+    Each of the seven step points is a plain loop over bound methods.
+    """
+    from torch.nn import functional as F
+
+    noop = type("NoOp", (), {h: (lambda self, engine: None) for h in STEP_HOOKS})
+    objects = [noop() for _ in range(callbacks)]
+    start_, batch_, forward_, backward_, before_, stepped_, end_ = (
+        tuple(getattr(o, h) for o in objects) for h in STEP_HOOKS
+    )
+    state = object()
+
+    def run(batches):
+        for x, y in batches:
+            for hook in start_:
+                hook(state)
+            for hook in batch_:
+                hook(state)
+            loss = F.cross_entropy(model(x), y)
+            for hook in forward_:
+                hook(state)
+            loss.backward()
+            for hook in backward_:
+                hook(state)
+            for hook in before_:
+                hook(state)
+            optimizer.step()
+            for hook in stepped_:
+                hook(state)
+            optimizer.zero_grad(set_to_none=True)
+            for hook in end_:
+                hook(state)
+
+    return run
+
+
 def worker(kind: str, workload: str, callbacks: int) -> dict:
     import torch
     from torch.nn import functional as F
@@ -95,50 +147,8 @@ def worker(kind: str, workload: str, callbacks: int) -> dict:
     spec = WORKLOADS[workload]
     model, optimizer, data = build(workload)
     warm, steps = spec["warmup"], spec["steps"]
-    if kind == "raw":
-
-        def run(batches):
-            for x, y in batches:
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-        run(data[:warm])
-        start = time.perf_counter()
-        run(data[warm:])
-        elapsed = time.perf_counter() - start
-    elif kind == "hand-hooks":
-        # The floor for callbacks: the raw loop calling the same no-op hooks of
-        # `callbacks` objects itself, each step point a plain loop over bound methods.
-        noop = type("NoOp", (), {h: (lambda self, engine: None) for h in STEP_HOOKS})
-        objects = [noop() for _ in range(callbacks)]
-        start_, batch_, forward_, backward_, before_, stepped_, end_ = (
-            tuple(getattr(o, h) for o in objects) for h in STEP_HOOKS
-        )
-        state = object()
-
-        def run(batches):
-            for x, y in batches:
-                for hook in start_:
-                    hook(state)
-                for hook in batch_:
-                    hook(state)
-                loss = F.cross_entropy(model(x), y)
-                for hook in forward_:
-                    hook(state)
-                loss.backward()
-                for hook in backward_:
-                    hook(state)
-                for hook in before_:
-                    hook(state)
-                optimizer.step()
-                for hook in stepped_:
-                    hook(state)
-                optimizer.zero_grad(set_to_none=True)
-                for hook in end_:
-                    hook(state)
-
+    if kind in ("raw", "hand-hooks"):
+        run = raw_loop(model, optimizer) if kind == "raw" else hooked_loop(model, optimizer, callbacks)
         run(data[:warm])
         start = time.perf_counter()
         run(data[warm:])
@@ -205,39 +215,7 @@ def callback_blocks(callbacks: int, rounds: int, block: int = 100) -> dict:
         )
         for name, cbs in (("cadence", []), ("callbacks", hooked))
     }
-    objects = [type("Plain", (), {h: (lambda self, engine: None) for h in STEP_HOOKS})() for _ in range(callbacks)]
-    start_, batch_, forward_, backward_, before_, stepped_, end_ = (
-        tuple(getattr(o, h) for o in objects) for h in STEP_HOOKS
-    )
-    state = object()
-
-    def raw(batches):
-        for x, y in batches:
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    def hand(batches):
-        for x, y in batches:
-            for hook in start_:
-                hook(state)
-            for hook in batch_:
-                hook(state)
-            loss = F.cross_entropy(model(x), y)
-            for hook in forward_:
-                hook(state)
-            loss.backward()
-            for hook in backward_:
-                hook(state)
-            for hook in before_:
-                hook(state)
-            optimizer.step()
-            for hook in stepped_:
-                hook(state)
-            optimizer.zero_grad(set_to_none=True)
-            for hook in end_:
-                hook(state)
+    raw, hand = raw_loop(model, optimizer), hooked_loop(model, optimizer, callbacks)
 
     position = 0
 
