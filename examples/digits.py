@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import cadence
-from cadence.engine.config import parse_cli
+from cadence.engine.config_cli import parse_cli
 
 
 @attrs.define(kw_only=True)

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 import cadence
-from cadence.engine.config import parse_cli
+from cadence.engine.config_cli import parse_cli
 from tests.conftest import tiny_batches, tiny_model
 
 pytestmark = pytest.mark.timeout(90)

@@ -1,4 +1,4 @@
-"""Tests for cadence.engine.config: strict structuring, errors, files, overrides, CLI, hashing."""
+"""Tests for cadence.engine.config (strict structuring, errors, files, hashing) and config_cli (overrides, CLI)."""
 
 # Postponed annotations on purpose: the config module must resolve string annotations.
 from __future__ import annotations
@@ -17,19 +17,16 @@ from hypothesis import strategies as st
 
 from cadence.engine.config import (
     ConfigError,
-    build,
     canonical_yaml,
     config_diff,
     config_hash,
     converter,
-    field_help,
     load_file,
     merge,
-    parse_cli,
-    parse_overrides,
     structure,
     unstructure,
 )
+from cadence.engine.config_cli import build, field_help, parse_cli, parse_overrides
 
 pytestmark = pytest.mark.timeout(30)
 
