@@ -155,6 +155,13 @@ class DDPBackend(LocalBackend):
         self.created_group = True
 
     def teardown(self) -> None:
+        # Drop every reference to the process group (the DDP wrapper's reducer
+        # holds one, so does `self.group`): destroy_process_group() only shuts a
+        # group down, and one whose last reference goes at interpreter exit can
+        # abort the process there (gloo: "terminate called without an active
+        # exception"). A group the user created is the user's to destroy, but
+        # it must not be kept alive by us either.
+        self._wrapped, self.group = None, None
         if self.created_group and dist.is_initialized():
             dist.destroy_process_group()
         self.created_group = False

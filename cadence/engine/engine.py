@@ -575,7 +575,13 @@ class Engine:
                 logger.error("%s", error)
 
     def close(self) -> None:
-        """Release the backend's resources (process groups it created)."""
+        """Release the backend's resources: its wrapper of the model, process groups it created.
+
+        The wrapper (DDP's, whose reducer holds the process group) goes first,
+        so the group is destroyed while the interpreter is fully alive rather
+        than at exit. `engine.model` stays usable.
+        """
+        self.wrapped_model = self.model
         self.backend.teardown()
 
     def __enter__(self) -> Engine:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -61,6 +62,21 @@ def test_setup_places_wraps_and_shards():
         return gathered
 
     assert run(check) == [(0, 2, 0, 0, 2, "cpu", 0, 2, 4), (1, 2, 1, 1, 2, "cpu", 1, 2, 4)]
+
+
+def test_close_releases_the_process_group():
+    # destroy_process_group() only shuts the group down; a reference the engine
+    # kept would free it at interpreter exit, where gloo can abort the process.
+    def check():
+        engine = engine_on(train={"batch_size": 4})
+        engine.fit(steps=2)
+        group, wrapper = weakref.ref(engine.backend.group), weakref.ref(engine.wrapped_model)
+        engine.close()
+        assert group() is None and wrapper() is None, "the engine kept the process group alive after close()"
+        assert engine.wrapped_model is engine.model
+        return True
+
+    assert run(check) is True
 
 
 def test_collectives():
