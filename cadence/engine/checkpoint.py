@@ -453,10 +453,4 @@ def _restore_position(engine: Engine, payload: Mapping[str, Any], positions: lis
     elif state.get("batch_in_epoch") and positions is None and payload.get("data", {}).get("train") is not None:
         state["batch_in_epoch"] = 0  # a position that cannot be used: the epoch restarts
     engine.state.load_state_dict(state)
-    engine._epoch_iter = None
-    engine._pending = None
-    engine._train_position_restored = restored
-    if state.get("batch_in_epoch") and train is not None and engine.optimizers:
-        # The saved run opened this epoch (which may draw from the global RNG, e.g. a loader
-        # without a generator) before it saved: open it now, before the RNG is restored.
-        engine._epoch_iter = engine._open_epoch()
+    engine.feed.restart(train if engine.optimizers else None, engine.state, position_restored=restored)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -21,12 +20,12 @@ from cadence.engine.bus import EventBus, Handle
 from cadence.engine.control import Requests
 from cadence.engine.data import DataConfig, DataSource
 from cadence.engine.events import Event
+from cadence.engine.feed import TrainFeed
 from cadence.engine.metrics import MetricStore, Reduction
 from cadence.engine.state import State, seed_everything
 
 logger = logging.getLogger("cadence")
 
-_END = object()
 # Events of the step as module constants: `Event.X` costs an enum attribute lookup
 # (~65 ns) each time, and on a tiny step every bit of Python between torch ops shows.
 _ON_STEP_START, _ON_STEP_END = Event.ON_STEP_START, Event.ON_STEP_END
@@ -169,9 +168,7 @@ class Engine:
         self.hooks_table = self._bus.table
         self._running = False
         self._setup_done = False
-        self._epoch_iter: Iterator[Any] | None = None
-        self._pending: Sequence[Any] | None = None
-        self._train_position_restored = False
+        self.feed = TrainFeed()  # the train data's open epoch and unfinished step
         self._active_metrics = self.metrics
         self._run_dir: Path | None = None
         self._run_info: rundir.RunInfo | None = None
@@ -341,6 +338,7 @@ class Engine:
         optimizer_step, zero_grad = plan.optimizer_step, plan.zero_grad
         plain = plan.autocast is NULL_CONTEXT
         forward = self.compute_loss if plain else partial(_within, plan.autocast, self.compute_loss)
+        feed, source, accum = self.feed, self._train_source(), self.config.grad_accum
         requests.clear_agreed()
         first_step = state.step
         fire(Event.ON_FIT_START)
@@ -351,7 +349,7 @@ class Engine:
         while state.step < stop_step and state.epoch < stop_epoch and not agreed[stop]:
             if state.batch_in_epoch == 0:
                 fire(Event.ON_EPOCH_START)
-            for micro_batches in self._steps_of_epoch():
+            for micro_batches in feed.steps(source, state, accum):
                 hooks[_ON_STEP_START] and fires[_ON_STEP_START](self)
                 n = len(micro_batches)
                 if schedule is not None:  # the backend runs the micro-batches (pipeline)
@@ -389,7 +387,7 @@ class Engine:
                 if agreed[skip] or state.consecutive_skips:
                     self._count_skip(agreed[skip])
                 state.step += 1
-                self._pending = None
+                feed.pending = None
                 hooks[_ON_STEP_END] and fires[_ON_STEP_END](self)
                 if state.step % log_interval == 0:
                     self._log_metrics()
@@ -397,7 +395,7 @@ class Engine:
                     self.evaluate()
                 if agreed[stop] or state.step >= stop_step:
                     break
-            if self._epoch_iter is None or self._data_ran_out():
+            if feed.epoch_over(source, state, accum):
                 self._end_epoch()
         if state.step % log_interval and state.step > first_step:
             self._log_metrics()  # the steps since the last interval: every fit ends logged
@@ -406,68 +404,6 @@ class Engine:
     def _place(self, batch: Any) -> Any:
         """A batch on the backend's device (as given when it is already there, as on CPU)."""
         return self.backend.to_device(batch) if self.backend.moves_batches else batch
-
-    def _steps_of_epoch(self) -> Iterator[Sequence[Any]]:
-        """The micro-batches of each step until the epoch's data runs out.
-
-        A step's micro-batches are all fetched before on_step_start, so the
-        loop knows which one is last (gradient sync) and never starts a step
-        it has no data for. Fetched but unfinished micro-batches (an
-        interrupt) are kept and used first by the next fit.
-        """
-        accum = self.config.grad_accum
-        while True:
-            if self._pending is None:
-                if self._epoch_iter is None:
-                    self._epoch_iter = self._open_epoch()
-                if accum == 1:
-                    batch = next(self._epoch_iter, _END)
-                    group: Sequence[Any] = () if batch is _END else (batch,)
-                else:
-                    group = list(itertools.islice(self._epoch_iter, accum))
-                if not group:
-                    self._epoch_iter = None
-                    if self.state.batch_in_epoch == 0:
-                        raise ValueError("train data yielded no batch in a whole epoch; is it empty?")
-                    return
-                self._pending = group
-            yield self._pending
-
-    def _data_ran_out(self) -> bool:
-        """Whether the epoch is over although the loop stopped on its budget.
-
-        A budget that ends exactly on the epoch's last batch completes the
-        epoch (evaluation, on_epoch_end). Known only for sized data; the
-        iterator is then drained so a loader sees its epoch finish.
-        """
-        source = self.data["train"]
-        if self._pending is not None or not source.has_len() or self.state.batch_in_epoch < len(source):
-            return False
-        assert self._epoch_iter is not None
-        extra = list(itertools.islice(self._epoch_iter, self.config.grad_accum))
-        if extra:  # the data was longer than it said: keep what was fetched
-            self._pending = extra
-            return False
-        self._epoch_iter = None
-        return True
-
-    def _open_epoch(self) -> Iterator[Any]:
-        source = self._train_source()
-        state = self.state
-        if state.batch_in_epoch == 0 or self._train_position_restored:
-            self._train_position_restored = False
-            return source.epoch_iter(state.epoch, fresh=state.batch_in_epoch == 0)
-        # The data cannot restore its position itself: replay the epoch to it.
-        logger.warning(
-            "train data (%s) has no saved position; replaying %d batches of epoch %d to reach it",
-            type(source.loader).__name__,
-            state.batch_in_epoch,
-            state.epoch,
-        )
-        iterator = source.epoch_iter(state.epoch, fresh=True)
-        for _ in range(state.batch_in_epoch):
-            next(iterator, None)
-        return iterator
 
     def _count_skip(self, skipped: int) -> None:
         state = self.state
