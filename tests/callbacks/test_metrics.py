@@ -171,7 +171,8 @@ def test_tokens_tflops_and_mfu_when_the_user_counts_tokens():
     def count_tokens(engine):
         engine.state.tokens_seen += 100  # e.g. 8 sequences of 12.5 tokens
 
-    metrics = TrainMetrics(flops_per_token=6e6, peak_flops=1e12)
+    # A peak of 4e12 FLOP/s, not 1e12: there MFU would equal TFLOP/s and an ignored peak would pass.
+    metrics = TrainMetrics(flops_per_token=6e6, peak_flops=4e12)
     engine = make_engine([metrics], log_interval=3)
     engine.on(cadence.Event.ON_STEP_END, order=0)(count_tokens)
     logs = record_logs(engine)
@@ -180,7 +181,22 @@ def test_tokens_tflops_and_mfu_when_the_user_counts_tokens():
     tokens_per_sec = logged["throughput.tokens_per_sec"]
     assert tokens_per_sec == pytest.approx(logged["throughput.samples_per_sec"] * 100 / 8, rel=1e-9)
     assert logged["throughput.tflops"] == pytest.approx(6e6 * tokens_per_sec / 1e12, rel=1e-9)
-    assert logged["mfu"] == pytest.approx(6e6 * tokens_per_sec / 1e12, rel=1e-9)
+    assert logged["mfu"] == pytest.approx(logged["throughput.tflops"] * 1e12 / 4e12, rel=1e-9)
+    assert logged["mfu"] == pytest.approx(6e6 * tokens_per_sec / 4e12, rel=1e-9)
+
+
+def test_mfu_when_the_user_supplies_flops_per_sample():
+    metrics = TrainMetrics(flops_per_sample=3e6, peak_flops=2.5e11)
+    engine = make_engine([metrics], log_interval=3)  # no token count: MFU comes from the samples alone
+    logs = record_logs(engine)
+    engine.fit(steps=6)
+    assert [step for step, _ in logs] == [3, 6]
+    for _, logged in logs:
+        assert "throughput.tokens_per_sec" not in logged
+        samples_per_sec = logged["throughput.samples_per_sec"]
+        assert logged["throughput.tflops"] == pytest.approx(3e6 * samples_per_sec / 1e12, rel=1e-9)
+        assert logged["mfu"] == pytest.approx(3e6 * samples_per_sec / 2.5e11, rel=1e-9)
+        assert logged["mfu"] == pytest.approx(logged["throughput.tflops"] * 1e12 / 2.5e11, rel=1e-9)
 
 
 def test_no_tokens_metric_without_a_token_count():
