@@ -101,6 +101,8 @@ class LocalBackend(Backend):
             plan = attrs.evolve(plan, backward=None)
         if not self._overrides("finish_gradients", LocalBackend):
             plan = attrs.evolve(plan, finish_gradients=None)
+        if not self._overrides("skip_step", LocalBackend):
+            plan = attrs.evolve(plan, skip_step=None)
         if not self._overrides("optimizer_step", LocalBackend) and len(engine.optimizers) == 1:
             plan = attrs.evolve(plan, optimizer_step=engine.optimizers[0].step)
         return plan
@@ -119,6 +121,13 @@ class LocalBackend(Backend):
         for optimizer in engine.optimizers:
             scaler.step(optimizer)
         scaler.update()
+
+    def skip_step(self, engine: Engine) -> None:
+        # finish_gradients unscaled this step's gradients; the scaler refuses the
+        # next unscale_ until update() closes the step. Inf gradients (a
+        # NonFiniteSkip) back the scale off, as a GradScaler's own skip does.
+        if self.scaler is not None:
+            self.scaler.update()
 
     def checkpoint_store(self, engine: Engine) -> Any:
         from cadence.backends.file_store import FileStore

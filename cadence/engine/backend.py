@@ -54,6 +54,8 @@ class StepPlan:
         agree: agrees the step's control requests across ranks, or None: there
             is no other rank, and the loop accepts what is pending itself.
         optimizer_step: steps the optimizers (no arguments).
+        skip_step: called instead of `optimizer_step` when a skip was agreed
+            (no arguments), or None: nothing to do then.
         zero_grad: clears the gradients (no arguments; to None).
     """
 
@@ -65,6 +67,7 @@ class StepPlan:
     finish_gradients: Callable[[Engine], None] | None
     agree: Callable[[Requests], None] | None
     optimizer_step: Callable[[], Any]
+    skip_step: Callable[[], None] | None
     zero_grad: Callable[[], None]
 
 
@@ -113,7 +116,8 @@ class Backend:
         """The step's calls for the coming fit.
 
         Methods a subclass leaves as the base's (`forward_backward`,
-        `set_gradient_sync`, `backward`, `finish_gradients`, `agree`) are None,
+        `set_gradient_sync`, `backward`, `finish_gradients`, `agree`,
+        `skip_step`) are None,
         so the loop skips the call or does the plain thing inline; the base
         optimizer step and zero_grad of a single optimizer are that
         optimizer's own methods, called directly.
@@ -132,6 +136,7 @@ class Backend:
                 if single is not None and not self._overrides("optimizer_step")
                 else functools.partial(self.optimizer_step, engine)
             ),
+            skip_step=functools.partial(self.skip_step, engine) if self._overrides("skip_step") else None,
             zero_grad=(
                 single.zero_grad  # set_to_none=True is its default
                 if single is not None and not self._overrides("zero_grad")
@@ -194,6 +199,14 @@ class Backend:
     def optimizer_step(self, engine: Engine) -> None:
         for optimizer in engine.optimizers:
             optimizer.step()
+
+    def skip_step(self, engine: Engine) -> None:
+        """Called instead of `optimizer_step` on a step whose skip was agreed.
+
+        Gradients were finished (`finish_gradients`) but are not applied; a
+        backend with per-step bookkeeping closes the step here (the fp16
+        GradScaler's `update()`).
+        """
 
     def zero_grad(self, engine: Engine) -> None:
         for optimizer in engine.optimizers:

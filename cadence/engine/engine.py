@@ -335,7 +335,7 @@ class Engine:
         plan = self.backend.step_plan(self)  # what to call per step; None: nothing (or the plain thing inline)
         schedule, to_device, sync, backward = plan.schedule, plan.to_device, plan.gradient_sync, plan.backward
         finish, agree = plan.finish_gradients, plan.agree
-        optimizer_step, zero_grad = plan.optimizer_step, plan.zero_grad
+        optimizer_step, skip_step, zero_grad = plan.optimizer_step, plan.skip_step, plan.zero_grad
         plain = plan.autocast is NULL_CONTEXT
         forward = self.compute_loss if plain else partial(_within, plan.autocast, self.compute_loss)
         feed, source, accum = self.feed, self._train_source(), self.config.grad_accum
@@ -380,6 +380,8 @@ class Engine:
                 if not agreed[skip]:
                     optimizer_step()
                     hooks[_ON_OPTIMIZER_STEP] and fires[_ON_OPTIMIZER_STEP](self)
+                elif skip_step is not None:
+                    skip_step()  # e.g. close the fp16 scaler's step
                 zero_grad()
                 state.micro_step += n
                 state.batch_in_epoch += n

@@ -9,6 +9,7 @@ from torch.nn import functional as F
 import cadence
 from cadence import Event
 from cadence.backends.local import LocalBackend
+from cadence.callbacks import NonFiniteSkip
 from tests.conftest import tiny_batches, tiny_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -228,3 +229,63 @@ def test_an_engine_subclass_that_overrides_compute_loss_keeps_it():
     before = [p.detach().clone() for p in model.parameters()]
     engine.fit(steps=2)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class CPUScaler(LocalBackend):
+    """The fp16 step's bookkeeping on CPU: a real GradScaler (torch's CPU one) around
+    fp32 compute, since fp16 autocast is CUDA-only here."""
+
+    def __init__(self):
+        super().__init__(device="cpu")
+        self.scaler = self.precision.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+
+
+def poisoned(batches, index):
+    """`batches` with a non-finite input at `index` (a NaN loss, non-finite gradients)."""
+    inputs, targets = batches[index]
+    batches[index] = (torch.full_like(inputs, float("inf")), targets)
+    return batches
+
+
+def test_scaler_survives_a_requested_skip():
+    # The skipped step's gradients were unscaled: without closing the scaler's
+    # step, the next unscale_ raises "unscale_() has already been called".
+    engine = make(CPUScaler(), grad_accum=1)
+    engine.on(Event.ON_BEFORE_OPTIMIZER_STEP, once=2)(lambda e: e.request_skip("test"))
+    engine.fit(steps=4)
+    assert engine.state.step == 4 and engine.state.skipped_steps == 1
+    assert engine.backend.scaler.get_scale() == 1024.0  # finite gradients: no back-off
+
+
+def test_non_finite_skip_under_a_scaler_backs_the_scale_off_and_keeps_training():
+    model = tiny_model()
+    engine = cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        poisoned(tiny_batches(6), 1),
+        loss_fn=F.cross_entropy,
+        backend=CPUScaler(),
+        callbacks=[NonFiniteSkip()],  # under a scaler it checks the loss
+        seed=0,
+    )
+    engine.fit(steps=4)
+    assert engine.state.skipped_steps == 1
+    assert engine.backend.scaler.get_scale() == 512.0  # one back-off, as a GradScaler's own skip
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast with a GradScaler needs a CUDA device")
+def test_fp16_on_cuda_trains_through_a_non_finite_step():
+    model = tiny_model()
+    engine = cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        poisoned(tiny_batches(6), 1),
+        loss_fn=F.cross_entropy,
+        backend=LocalBackend(device="cuda", precision="fp16"),
+        callbacks=[NonFiniteSkip()],
+        seed=0,
+    )
+    engine.fit(steps=4)
+    assert engine.state.step == 4 and engine.state.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
