@@ -43,11 +43,14 @@ def tag(name: str) -> str:
 class TensorBoard(Callback):
     """Writes `engine.logged` at every `on_log` as scalars at `state.step` (main process only).
 
-    The writer opens at the first `on_log` (after any checkpoint restore) and
-    closes, flushed, at teardown. Its folder is kept in the callback state, so
-    a resumed run continues the same TensorBoard run; it reopens with
+    The folder is fixed when a fit starts (after any checkpoint restore) and
+    kept in the callback state, so a resumed run continues the same TensorBoard
+    run even from a checkpoint older than its first log. The writer opens at the
+    first `on_log` and closes, flushed, at teardown; it reopens with
     `purge_step` = the restored step + 1, so readers drop the events the
     stopped run wrote after its checkpoint: steps strictly increase, no duplicates.
+    The hyperparameters are one session per folder: written at the first log
+    unless the state says so or the folder's event files already hold them.
 
     Order: `Order.LOGGER` (90).
 
@@ -87,6 +90,10 @@ class TensorBoard(Callback):
     def on_fit_start(self, engine: Engine) -> None:
         if self.writer is None:
             self._start_step = engine.state.step
+        if self.log_dir is None and is_main(engine):
+            # Fixed now, not at the first log, so a checkpoint saved before it
+            # still names the folder the resumed run must continue.
+            self.log_dir = engine.run_dir / "tensorboard" / engine.attempt_timestamp
 
     def on_load(self, engine: Engine) -> None:
         self._close()  # reopen with a purge at the restored step
@@ -119,6 +126,9 @@ class TensorBoard(Callback):
             flush_secs=self.config.flush_secs,
         )
         self._start_step = None
+        if continuing and not self._hparams_written:
+            # Restored from a checkpoint saved before the first log: the stopped run may have written them.
+            self._hparams_written = hparams_on_disk(self.log_dir)
         if self.config.hparams and not self._hparams_written:
             self._write_hparams(engine)
         return self.writer
@@ -145,6 +155,22 @@ class TensorBoard(Callback):
             self.writer.flush()
             self.writer.close()
             self.writer = None
+
+
+def hparams_on_disk(log_dir: Path, head: int = 8) -> bool:
+    """Whether an event file in `log_dir` starts with an hparams session (`TensorBoard` writes it on open)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    for path in sorted(log_dir.glob("*tfevents*")):
+        try:
+            for i, event in enumerate(EventFileLoader(str(path)).Load()):
+                if i >= head:  # file version, purge marker, the hparams: they come first or not at all
+                    break
+                if any(value.metadata.plugin_data.plugin_name == "hparams" for value in event.summary.value):
+                    return True
+        except Exception:  # a torn file from a crash: what it holds is unreadable, so not a session
+            continue
+    return False
 
 
 __all__ = ["TensorBoard", "TensorBoardConfig", "tag"]
