@@ -38,9 +38,12 @@ class DataSource:
     """One split's data, with the epoch seeding and state the engine needs.
 
     A `Dataset` becomes a torchdata `StatefulDataLoader` whose shuffling is
-    seeded per epoch (`seed + epoch`), sharded with a `StatefulDistributedSampler`
-    when the backend's data domain has more than one rank. Anything else is
-    iterated as given; its state is saved when it has `state_dict()`.
+    seeded per epoch (`seed + epoch`). When the backend's data domain has more
+    than one rank it is sharded: training data by a `StatefulDistributedSampler`
+    (padded, so every rank runs the same number of steps), evaluation and
+    prediction data by an `ExactShardSampler` (each sample on exactly one rank).
+    Anything else is iterated as given; its state is saved when it has
+    `state_dict()`.
     """
 
     def __init__(
@@ -75,10 +78,17 @@ class DataSource:
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         kwargs: dict[str, Any] = {}
         # An IterableDataset shards and shuffles itself: no sampler, no shuffle.
-        if not iterable and size > 1:
+        if not iterable and size > 1 and self.split == "train":
+            # Padded to equal counts: DDP needs every rank to take the same steps.
             self.sampler = StatefulDistributedSampler(
                 dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed, drop_last=config.drop_last
             )
+            kwargs["sampler"] = self.sampler
+        elif not iterable and size > 1:
+            # Evaluation and prediction see every sample exactly once: padding
+            # would count repeated samples in the "exact" global mean.
+            self.sampler = ExactShardSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed)
+            _check_every_rank_has_a_batch(self.split, len(dataset), size, config)
             kwargs["sampler"] = self.sampler
         elif not iterable and shuffle:
             self.generator = torch.Generator()
@@ -140,3 +150,70 @@ class DataSource:
         if not self.stateful():
             raise TypeError(f"{self.split} data ({type(self.loader).__name__}) cannot restore a saved position")
         self.loader.load_state_dict(state)  # type: ignore[union-attr]
+
+
+class ExactShardSampler(torch.utils.data.Sampler[int]):
+    """Rank `rank`'s share of a dataset, with every index on exactly one rank.
+
+    Rank r takes positions r, r + W, r + 2W, ... of the order (W ranks): no
+    padding and no dropping, so ranks may hold counts differing by one. The
+    order is the dataset's, or a permutation seeded with `seed + epoch` when
+    `shuffle` (the same on every rank). Like torchdata's
+    `StatefulDistributedSampler`, its `state_dict()` holds how many indices it
+    has yielded this epoch, so a `StatefulDataLoader` restores its position.
+
+    Example:
+        >>> list(ExactShardSampler(range(5), num_replicas=2, rank=0))
+        [0, 2, 4]
+        >>> list(ExactShardSampler(range(5), num_replicas=2, rank=1))
+        [1, 3]
+    """
+
+    def __init__(self, dataset: Any, *, num_replicas: int, rank: int, shuffle: bool = False, seed: int = 0) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"ExactShardSampler: rank must be in [0, {num_replicas}), got {rank}")
+        self.dataset_size = len(dataset)
+        self.num_replicas, self.rank = num_replicas, rank
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.yielded = 0
+        self.next_yielded: int | None = None
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.dataset_size, self.num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_size, generator=generator).tolist()
+        else:
+            order = list(range(self.dataset_size))
+        mine = order[self.rank :: self.num_replicas]
+        self.yielded, self.next_yielded = self.next_yielded or 0, None
+        for index in mine[self.yielded :]:
+            self.yielded += 1
+            yield index
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("yielded", -1) < 0:
+            raise ValueError(f"ExactShardSampler: invalid state {state!r}; expected {{'yielded': int >= 0}}")
+        self.next_yielded = state["yielded"]
+
+
+def _check_every_rank_has_a_batch(split: str, samples: int, ranks: int, config: DataConfig) -> None:
+    # A rank without a batch would skip what the others do once per
+    # evaluation (DDP's buffer sync on the first forward, the metric
+    # reduction of the names it never logged) and hang or fail them.
+    fewest = samples // ranks
+    batches = fewest // config.batch_size if config.drop_last else -(-fewest // config.batch_size)
+    if batches == 0:
+        raise ValueError(
+            f"{split} data: {samples} samples over {ranks} data ranks leave a rank with no batch "
+            f"(batch_size={config.batch_size}, drop_last={config.drop_last}); every rank needs at least one: "
+            "use more samples, fewer ranks, or drop_last=False"
+        )
