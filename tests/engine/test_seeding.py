@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -121,6 +122,66 @@ def test_each_rank_is_seeded_with_seed_plus_rank():
         cadence.seed_everything(21 + rank)
         assert (py, npy, th) == (random.random(), float(np.random.rand()), torch.rand(2).tolist())
     assert gathered[0][1:] != gathered[1][1:]
+
+
+# -- RNG across a stop and resume ------------------------------------------------------------
+
+
+class DrawRandom(cadence.Callback):
+    """At every step end, one draw from each global RNG the engine checkpoints."""
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.draws: list[tuple] = []
+
+    def on_step_end(self, engine: cadence.Engine) -> None:
+        draw = (engine.state.step, random.random(), float(np.random.rand()), torch.rand(1).item())
+        if self.cuda:
+            draw += (torch.rand(1, device="cuda").item(),)
+        self.draws.append(draw)
+
+
+def checkpointed_run(directory: Path, *, stop: int | None = None, resume: bool = False, cuda: bool = False):
+    """8 steps saving a checkpoint every 4; `stop` ends the fit after that step, `resume` continues from latest."""
+    from cadence.callbacks.checkpoint import Checkpoint
+
+    model = tiny_model()
+    recorder = DrawRandom(cuda)
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(64),
+        loss_fn=torch.nn.functional.cross_entropy, seed=5, steps=8, log_interval=1000,
+        device="cuda" if cuda else None, train={"batch_size": 8},
+        callbacks=[recorder, Checkpoint(dir=str(directory), interval=4, auto_resume=resume)],
+    )  # fmt: skip
+    if stop is not None:  # requested before the optimizer step of step `stop`, agreed in it
+        engine.on(cadence.Event.ON_BEFORE_OPTIMIZER_STEP, once=stop)(lambda e: e.request_stop("test"))
+    with engine:
+        engine.fit()
+        return engine.state.step, engine.restored_from, recorder.draws
+
+
+def assert_resumed_draws_match(tmp_path: Path, cuda: bool = False) -> None:
+    _, _, reference = checkpointed_run(tmp_path / "reference", cuda=cuda)
+    step, _, first = checkpointed_run(tmp_path / "run", stop=4, cuda=cuda)
+    assert step == 4 and (tmp_path / "run" / "latest").exists()
+    # Whatever the process drew in between must not matter: the checkpoint's RNG state does.
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    step, restored_from, resumed = checkpointed_run(tmp_path / "run", resume=True, cuda=cuda)
+    assert step == 8 and restored_from is not None and restored_from.endswith("latest")
+    assert [d[0] for d in first + resumed] == list(range(1, 9))
+    assert first + resumed == reference
+    assert len({d[1] for d in reference}) == 8  # the draws differ from step to step: the check can fail
+
+
+def test_resume_continues_the_python_numpy_and_torch_random_streams(tmp_path):
+    assert_resumed_draws_match(tmp_path)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: the CUDA RNG exists, and is checkpointed, only with one"
+)
+def test_resume_continues_the_cuda_random_stream(tmp_path):
+    assert_resumed_draws_match(tmp_path, cuda=True)
 
 
 @pytest.fixture
