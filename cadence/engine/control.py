@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class Requests:
     """Pending control requests, agreed across ranks once per step.
@@ -67,3 +69,17 @@ class Requests:
 
     def get(self, name: str) -> int:
         return self.agreed[self.index[name]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The requests raised and not agreed yet, by name, with their reasons."""
+        pending = {name: value for name, value in zip(self.names, self.pending) if value}
+        return {"pending": pending, "reasons": {n: r for n, r in self.reasons.items() if n in pending}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make exactly `state`'s requests pending (registering their kinds); nothing else."""
+        self.pending[:] = [0] * len(self.pending)
+        self.any_pending = False
+        reasons = state.get("reasons", {})
+        for name, value in state.get("pending", {}).items():
+            self.register(name)
+            self.request(name, value, reasons.get(name))

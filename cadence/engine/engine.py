@@ -152,7 +152,7 @@ class Engine:
         self.schedulers: list[Any] = _as_list(scheduler)
         self.loss_fn, self.step_fn, self.eval_fn = loss_fn, step_fn, eval_fn
         self.state = State()
-        self.requests = Requests()
+        self.requests: Requests = self.state.requests
         self.metrics = MetricStore()
         self.logged: dict[str, float] = {}
         self.eval_results: dict[str, dict[str, float]] = {}

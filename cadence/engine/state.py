@@ -8,6 +8,8 @@ from typing import Any
 import attrs
 import torch
 
+from cadence.engine.control import Requests
+
 
 @attrs.define
 class State:
@@ -23,6 +25,10 @@ class State:
         skipped_steps: optimizer steps skipped by an agreed request.
         consecutive_skips: skipped steps in a row, reset by a taken step.
         last_loss: the last loss as a float, filled when the state is saved.
+        requests: the control requests (`engine.requests`); those raised and
+            not agreed yet are saved, so a resumed run agrees them at the same
+            step as an uninterrupted one (a stop raised in on_step_end before
+            a save still stops the next step).
     """
 
     step: int = 0
@@ -34,9 +40,12 @@ class State:
     skipped_steps: int = 0
     consecutive_skips: int = 0
     last_loss: float | None = None
+    requests: Requests = attrs.field(factory=Requests, eq=False, repr=False)
 
     def state_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        state = attrs.asdict(self, filter=lambda field, _: field.name != "requests")
+        state["requests"] = self.requests.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         fields = {f.name for f in attrs.fields(State)}
@@ -44,7 +53,9 @@ class State:
         if unknown:
             raise KeyError(f"engine state has unknown keys {sorted(unknown)}; expected {sorted(fields)}")
         for name, value in state.items():
-            setattr(self, name, value)
+            if name != "requests":
+                setattr(self, name, value)
+        self.requests.load_state_dict(state.get("requests", {}))  # none pending in older checkpoints
 
 
 def capture_rng() -> dict[str, Any]:
