@@ -27,6 +27,8 @@ from cadence.engine.config import (
     unstructure,
 )
 from cadence.engine.config_cli import build, field_help, parse_cli, parse_overrides
+from cadence.engine.data import DataConfig
+from cadence.engine.engine import EngineConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -545,3 +547,58 @@ def test_diff_applied_to_default_rebuilds_the_config(cfg: Train, default: Train)
     # (config_diff reports it whole; see test_config_diff_reports_a_shrunk_dict_whole).
     default = attrs.evolve(default, counts={k: v for k, v in default.counts.items() if k in cfg.counts})
     assert structure(Train, merge(unstructure(default), config_diff(cfg, default))) == cfg
+
+
+# --- property: the real EngineConfig round-trips ----------------------------------------------
+
+positive = st.integers(min_value=1, max_value=2**31)
+natural = st.integers(min_value=0, max_value=2**31)
+# lineage / run_id: one folder name (rundir.folder_name).
+folder_names = st.text(min_size=1, max_size=12).filter(lambda v: v not in (".", "..") and not set(v) & set("/\\\0"))
+DATA_FIELDS = {
+    "batch_size": positive,
+    "shuffle": st.none() | st.booleans(),
+    "drop_last": st.booleans(),
+    "num_workers": natural,
+    "pin_memory": st.booleans(),
+    "persistent_workers": st.booleans(),
+    "prefetch_factor": st.none() | positive,
+}
+data_configs = st.builds(DataConfig, **DATA_FIELDS)
+ENGINE_FIELDS = {
+    "steps": st.none() | natural,
+    "epochs": st.none() | natural,
+    "grad_accum": positive,
+    "eval_every_epochs": st.none() | positive,
+    "eval_every_steps": st.none() | positive,
+    "log_interval": positive,
+    "precision": st.sampled_from(["fp32", "bf16", "fp16"]),
+    "device": st.none() | st.sampled_from(["cpu", "cuda", "cuda:1", "mps"]) | text,
+    "backend": st.sampled_from(["auto", "local", "ddp"]) | text,
+    "seed": st.none() | st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    "deterministic": st.booleans(),
+    "workspace": text,
+    "lineage": folder_names,
+    "run_id": st.none() | folder_names,
+    "train": data_configs,
+    "eval": data_configs,
+    "predict": data_configs,
+}
+engine_configs = st.builds(EngineConfig, **ENGINE_FIELDS)
+
+
+def test_the_engine_config_strategy_sets_every_field():
+    # A field added to EngineConfig without a strategy here would only ever be tested at its default.
+    assert sorted(ENGINE_FIELDS) == sorted(attrs.fields_dict(EngineConfig))
+    assert sorted(DATA_FIELDS) == sorted(attrs.fields_dict(DataConfig))
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(engine_configs)
+def test_engine_configs_round_trip(cfg: EngineConfig) -> None:
+    plain = unstructure(cfg)
+    assert isinstance(plain["train"], dict)  # nested DataConfig unstructured too
+    assert structure(EngineConfig, plain) == cfg
+    text = canonical_yaml(cfg)
+    assert structure(EngineConfig, yaml.safe_load(text)) == cfg
+    assert structure(EngineConfig, json.loads(json.dumps(plain))) == cfg
