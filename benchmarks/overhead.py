@@ -14,7 +14,10 @@ that override every step hook (us per callback per step, the median over the
 alternations of the difference to the bare Cadence run), next to its floor: the
 raw loop calling the same hooks of 100 objects itself, from plain loops over
 bound methods at the same seven points of the step; the cost of the
-default sinks (TrainMetrics, progress bar, JSONL, text log; log interval 50);
+default sinks (TrainMetrics, progress bar, JSONL, text log; log interval 50),
+once writing to a pipe (the progress bar writes throttled lines, as in CI or a
+log file) and once to a terminal (a pseudo-terminal the parent drains: the
+progress bar is a tqdm bar, as for a person watching);
 the callbacks' cost once more in one process, from interleaved blocks of 100
 steps (see `callback_blocks`: the fresh-process estimate is at the mercy of
 the machine's drift); and how long `import cadence` takes after `import torch`.
@@ -162,7 +165,7 @@ def worker(kind: str, workload: str, callbacks: int) -> dict:
             cb = noop()
             cb.state_key = f"noop{i}"
             cbs.append(cb)
-        if kind == "sinks":
+        if kind in ("sinks", "sinks-tty"):
             from cadence.callbacks.metrics import default_callbacks
 
             cbs += default_callbacks()
@@ -252,15 +255,33 @@ def callback_blocks(callbacks: int, rounds: int, block: int = 100) -> dict:
 
 def run_worker(kind: str, workload: str, callbacks: int = 0) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", **FIXED_MALLOC)
-    out = subprocess.run(
-        [sys.executable, __file__, "--worker", kind, "--workload", workload, "--callbacks", str(callbacks)],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    command = [sys.executable, __file__, "--worker", kind, "--workload", workload, "--callbacks", str(callbacks)]
+    if kind != "sinks-tty":
+        out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=900)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    # stderr is a terminal (the progress bar draws its tqdm bar), read as a terminal would be.
+    import pty
+    import threading
+
+    terminal, worker_side = pty.openpty()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=worker_side, text=True, env=env)
+    os.close(worker_side)
+
+    def drain() -> None:
+        try:
+            while os.read(terminal, 65536):
+                pass
+        except OSError:  # the worker closed its side
+            pass
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    stdout, _ = process.communicate(timeout=900)
+    reader.join(10)
+    os.close(terminal)
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command, stdout)
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def run_blocks(callbacks: int, rounds: int) -> dict:
@@ -305,7 +326,7 @@ def main() -> None:
     for workload in workloads:
         variants = [("cadence", 0)]
         if workload == "W1":
-            variants += [("cadence", 10), ("cadence", 100), ("hand-hooks", 100), ("sinks", 0)]
+            variants += [("cadence", 10), ("cadence", 100), ("hand-hooks", 100), ("sinks", 0), ("sinks-tty", 0)]
         times: dict[tuple[str, int], list[float]] = {("raw", 0): [], **{v: [] for v in variants}}
         for _ in range(repeats):
             raw = run_worker("raw", workload)
@@ -325,7 +346,8 @@ def main() -> None:
             ratios = sorted(t / r for t, r in zip(times[(kind, n)], raw_times))
             ratio = statistics.median(ratios)
             label = {
-                "sinks": "cadence, default sinks",
+                "sinks": "cadence, default sinks, pipe",
+                "sinks-tty": "cadence, default sinks, terminal",
                 "hand-hooks": f"raw loop calling {n} no-op hook sets",
             }.get(kind, f"cadence, {n} no-op callbacks")
             # Likewise per alternation: n callbacks' run against the run without them
