@@ -260,10 +260,15 @@ def run_worker(kind: str, workload: str, callbacks: int = 0) -> dict:
         out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=900)
         return json.loads(out.stdout.strip().splitlines()[-1])
     # stderr is a terminal (the progress bar draws its tqdm bar), read as a terminal would be.
+    import fcntl
     import pty
+    import struct
+    import termios
     import threading
 
     terminal, worker_side = pty.openpty()
+    # A new pseudo-terminal is 0 columns wide, where tqdm draws nothing: give it a terminal's size.
+    fcntl.ioctl(worker_side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=worker_side, text=True, env=env)
     os.close(worker_side)
 
