@@ -2,8 +2,10 @@
 
 Every rank holds the whole model and optimizer; `DistributedDataParallel`
 averages gradients during backward (only on the last micro-batch of a step:
-the others run with `require_backward_grad_sync` off). Data is sharded by the engine with
-torchdata's `StatefulDistributedSampler` from `data_rank`/`data_size`.
+the others run with `require_backward_grad_sync` off). Data is sharded by the engine from
+`data_rank`/`data_size`: training data with torchdata's `StatefulDistributedSampler`
+(padded, so every rank takes the same steps), evaluation and prediction data with
+`ExactShardSampler` (each sample once, no padding, so means are exact).
 The data and optimizer domains are both the whole world.
 """
 
