@@ -33,7 +33,9 @@ class WandBConfig:
             or `disabled`; None: W&B's default / `WANDB_MODE`.
         dir: where W&B writes its files (None: the run directory).
         resume: how a checkpoint resume reattaches to the saved run id:
-            `allow` (continue it, or create it if unknown) or `must` (fail if unknown; needs the server).
+            `allow` (continue it, or create it if unknown), `must` (fail if unknown; needs the server)
+            or `rewind` (continue it from the checkpoint's step: W&B drops what the stopped run
+            logged after it; `wandb.init(resume_from=...)`, a W&B preview feature the server must allow).
         init_timeout: seconds `wandb.init` may take before failing (no endless hang on a dead network).
     """
 
@@ -44,7 +46,7 @@ class WandBConfig:
     tags: tuple[str, ...] = ()
     mode: Literal["online", "offline", "disabled"] | None = None
     dir: str | None = None
-    resume: Literal["allow", "must"] = "allow"
+    resume: Literal["allow", "must", "rewind"] = "allow"
     init_timeout: float = attrs.field(default=90.0, validator=attrs.validators.gt(0))
 
 
@@ -54,7 +56,12 @@ class WandB(Callback):
     The run starts at the first `on_log` (after any checkpoint restore) with
     the unstructured run config, and finishes at teardown. Its id is kept in
     the callback state, so a resumed run calls `wandb.init(id=..., resume=...)`
-    and continues the same W&B run. Metric names map to W&B keys with dots
+    and continues the same W&B run. W&B keeps a run's steps increasing: with
+    `resume="allow"` the steps the stopped run logged after its checkpoint keep
+    its values (the resumed run's logs at those steps are dropped by W&B); with
+    `resume="rewind"` the run is rewound to the restored step
+    (`resume_from="{id}?_step={step}"`), so the resumed run's values replace
+    them. Metric names map to W&B keys with dots
     as slashes (`val.loss` -> `val/loss`), which W&B groups into sections.
     Offline mode needs no network: the run is written under `dir` and can be
     uploaded later with `wandb sync`.
@@ -74,6 +81,7 @@ class WandB(Callback):
         require("wandb", "wandb")
         self.run: Any = None
         self.run_id: str | None = None
+        self._restored_step: int | None = None  # the step of a checkpoint restore, to rewind to
 
     # -- state --------------------------------------------------------------------
 
@@ -86,8 +94,9 @@ class WandB(Callback):
     # -- events -------------------------------------------------------------------
 
     def on_load(self, engine: Engine) -> None:
-        # A restore inside a live run: reattach to the checkpoint's run id at the next log.
-        if self.run is not None and self.run.id != self.run_id:
+        self._restored_step = engine.state.step
+        # A restore inside a live run: reattach to the checkpoint's run id (rewound) at the next log.
+        if self.run is not None and (self.run.id != self.run_id or self.config.resume == "rewind"):
             self._finish()
 
     def on_log(self, engine: Engine) -> None:
@@ -115,7 +124,16 @@ class WandB(Callback):
             run_config = config_module.unstructure(engine.run_config)
         except TypeError:
             run_config = {}
-        resuming = self.run_id is not None
+        resume, resume_from = None, None
+        if self.run_id is not None:  # a checkpoint resume or a second fit: the same W&B run
+            resume = config.resume
+            if resume == "rewind":
+                # Only a checkpoint restore has a step to go back to; a second fit just continues.
+                if self._restored_step is not None:
+                    resume, resume_from = None, f"{self.run_id}?_step={self._restored_step}"
+                else:
+                    resume = "allow"
+        self._restored_step = None
         self.run = wandb.init(
             project=config.project,
             entity=config.entity,
@@ -126,7 +144,8 @@ class WandB(Callback):
             dir=directory,
             config=run_config,
             id=self.run_id,
-            resume=config.resume if resuming else None,
+            resume=resume,
+            resume_from=resume_from,
             reinit="create_new",  # several engines in one process each get their own run
             settings=wandb.Settings(init_timeout=config.init_timeout),
         )

@@ -126,23 +126,49 @@ def test_offline_history_and_summary_hold_the_logged_metrics(tmp_path):
     assert summary["val/loss"] == logged[-1][1]["val.loss"]
 
 
-def test_resumed_run_continues_the_same_run_id(tmp_path):
+def stop_and_resume(tmp_path, **sink_kwargs):
+    """A run logging at 2, 4, 6 and checkpointed at 4, stopped and resumed to 8: the run folders' records."""
     ckpt, wb = str(tmp_path / "ckpt"), str(tmp_path / "wb")
-    first_sink = WandB(project="cadence-test", mode="offline", dir=wb)
-    first = make_engine(
-        [TrainMetrics(), first_sink, Checkpoint(dir=ckpt, interval=4, unit="step", save_on_fit_end=False)]
-    )
-    first.fit(steps=6)  # saved at 4
+
+    def run(attempt, sink, checkpoint, **kwargs):
+        engine = make_engine([TrainMetrics(), sink, checkpoint], **kwargs)
+        engine.on(cadence.Event.ON_STEP_END)(lambda e: e.log("attempt", attempt, "last"))
+        return engine
+
+    first_sink = WandB(project="cadence-test", mode="offline", dir=wb, **sink_kwargs)
+    run(1, first_sink, Checkpoint(dir=ckpt, interval=4, unit="step", save_on_fit_end=False)).fit(steps=6)
     time.sleep(1.1)  # W&B names offline run folders by the second: a restart is never this fast
 
-    second_sink = WandB(project="cadence-test", mode="offline", dir=wb)
-    second = make_engine([TrainMetrics(), second_sink, Checkpoint(dir=ckpt, auto_resume=True)], steps=8)
-    second.fit()
+    second_sink = WandB(project="cadence-test", mode="offline", dir=wb, **sink_kwargs)
+    run(2, second_sink, Checkpoint(dir=ckpt, auto_resume=True), steps=8).fit()
     assert second_sink.run_id == first_sink.run_id
 
     runs = sorted((Path(wb) / "wandb").glob(f"offline-run-*-{first_sink.run_id}"))
-    assert len(runs) == 2  # `wandb sync` uploads both into the one run id
-    histories = [read_run(run_dir)[1] for run_dir in runs]
-    steps = sorted({row["_step"] for history in histories for row in history})
-    assert steps == [2, 4, 6, 8]
-    assert [row["_step"] for row in histories[1]] == [6, 8]  # continues after the restored step 4
+    assert len(runs) == 2  # `wandb sync` uploads both into the one run id, in order
+    return first_sink.run_id, [read_run(run_dir) for run_dir in runs]
+
+
+def test_resumed_run_continues_the_same_run_id(tmp_path):
+    run_id, folders = stop_and_resume(tmp_path)
+    histories = [[(row["_step"], row["attempt"]) for row in history] for _, history, _ in folders]
+    # Step 6 is in both folders: the stopped run logged it after its checkpoint at 4, the
+    # resumed run again. W&B keeps a run's steps increasing, so once synced the run holds 6
+    # once, with the stopped run's value (W&B drops the resumed run's); resume="rewind" replaces it.
+    assert histories == [[(2, 1), (4, 1), (6, 1)], [(6, 2), (8, 2)]]
+    assert not any(run.HasField("branch_point") for run, _, _ in folders)
+    assert [run.run_id for run, _, _ in folders] == [run_id, run_id]
+
+
+def test_rewind_resume_replaces_what_the_stopped_run_logged_after_its_checkpoint(tmp_path):
+    run_id, folders = stop_and_resume(tmp_path, resume="rewind")
+    (first, first_history, _), (second, second_history, second_summary) = folders
+    assert not first.HasField("branch_point")
+    # The resumed folder starts with W&B's rewind to the checkpoint's step, applied when synced.
+    assert (second.branch_point.run, second.branch_point.metric, second.branch_point.value) == (run_id, "_step", 4)
+    assert second.run_id == run_id
+    assert [(row["_step"], row["attempt"]) for row in first_history] == [(2, 1), (4, 1), (6, 1)]
+    assert [(row["_step"], row["attempt"]) for row in second_history] == [(6, 2), (8, 2)]
+    # The run W&B rebuilds: the first folder up to the rewind step, then the resumed one.
+    rewound = [row for row in first_history if row["_step"] <= 4] + second_history
+    assert [(row["_step"], row["attempt"]) for row in rewound] == [(2, 1), (4, 1), (6, 2), (8, 2)]
+    assert second_summary["attempt"] == 2
