@@ -240,11 +240,24 @@ class CPUScaler(LocalBackend):
         self.scaler = self.precision.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
 
 
-def poisoned(batches, index):
-    """`batches` with a non-finite input at `index` (a NaN loss, non-finite gradients)."""
-    inputs, targets = batches[index]
-    batches[index] = (torch.full_like(inputs, float("inf")), targets)
-    return batches
+def train_through_a_nan(backend):
+    """Four steps whose second has a non-finite input (a NaN loss), under `NonFiniteSkip`."""
+    model = tiny_model()
+    batches = tiny_batches(6)
+    batches[1] = (torch.full_like(batches[1][0], float("inf")), batches[1][1])
+    engine = cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        batches,
+        loss_fn=F.cross_entropy,
+        backend=backend,
+        callbacks=[NonFiniteSkip()],  # under a scaler it checks the loss only
+        seed=0,
+    )
+    engine.fit(steps=4)
+    assert engine.state.step == 4 and engine.state.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return engine
 
 
 def test_scaler_survives_a_requested_skip():
@@ -258,34 +271,11 @@ def test_scaler_survives_a_requested_skip():
 
 
 def test_non_finite_skip_under_a_scaler_backs_the_scale_off_and_keeps_training():
-    model = tiny_model()
-    engine = cadence.Engine(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        poisoned(tiny_batches(6), 1),
-        loss_fn=F.cross_entropy,
-        backend=CPUScaler(),
-        callbacks=[NonFiniteSkip()],  # under a scaler it checks the loss
-        seed=0,
-    )
-    engine.fit(steps=4)
-    assert engine.state.skipped_steps == 1
+    engine = train_through_a_nan(CPUScaler())
     assert engine.backend.scaler.get_scale() == 512.0  # one back-off, as a GradScaler's own skip
-    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast with a GradScaler needs a CUDA device")
 def test_fp16_on_cuda_trains_through_a_non_finite_step():
-    model = tiny_model()
-    engine = cadence.Engine(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        poisoned(tiny_batches(6), 1),
-        loss_fn=F.cross_entropy,
-        backend=LocalBackend(device="cuda", precision="fp16"),
-        callbacks=[NonFiniteSkip()],
-        seed=0,
-    )
-    engine.fit(steps=4)
-    assert engine.state.step == 4 and engine.state.skipped_steps == 1
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    engine = train_through_a_nan(LocalBackend(device="cuda", precision="fp16"))
+    assert engine.backend.scaler.get_scale() < 2.0**16  # the scaler's default start, backed off
