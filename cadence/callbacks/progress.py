@@ -98,7 +98,8 @@ class ProgressBar(Callback):
         self._fit_start = 0.0
         self._fit_start_step = 0
         self._throttle = LineThrottle(self.config.line_interval)
-        self._step_handles: list[Handle] = []
+        self._open_handle: Handle | None = None  # opens the bar at the next step's start
+        self._update_handle: Handle | None = None  # counts each step on the bar
 
     # -- setup ------------------------------------------------------------------
 
@@ -107,12 +108,10 @@ class ProgressBar(Callback):
         self._lines = self._active and self._use_lines()
         self._fit_start, self._fit_start_step = time.perf_counter(), engine.state.step
         self._throttle.reset()
-        if self._active and not self._lines and not self._step_handles:
+        if self._active and not self._lines and self._update_handle is None:
             # Per-step work only when a bar is shown: lines and other ranks cost no call per step.
-            self._step_handles = [
-                engine.on(Event.ON_STEP_START, order=self.order)(self._step_start),
-                engine.on(Event.ON_STEP_END, order=self.order)(self._step_end),
-            ]
+            self._open_at_next_step(engine)
+            self._update_handle = engine.on(Event.ON_STEP_END, order=self.order)(self._step_end)
 
     def _use_lines(self) -> bool:
         if self.config.mode != "auto":
@@ -129,9 +128,17 @@ class ProgressBar(Callback):
 
     # -- per step ---------------------------------------------------------------
 
+    def _open_at_next_step(self, engine: Engine) -> None:
+        if self._open_handle is None:
+            self._open_handle = engine.on(Event.ON_STEP_START, order=self.order)(self._step_start)
+
     def _step_start(self, engine: Engine) -> None:
-        if self.bar is None:
-            self._open(engine)  # lazily: a checkpoint restored in on_fit_start has moved the step
+        # At a step, not at on_fit_start: a checkpoint restored there has moved the
+        # step. Then this handler goes, so a step costs only the bar's update.
+        self._open(engine)
+        assert self._open_handle is not None
+        self._open_handle.remove()
+        self._open_handle = None
 
     def _step_end(self, engine: Engine) -> None:
         if self.bar is not None:
@@ -139,7 +146,8 @@ class ProgressBar(Callback):
 
     def on_epoch_end(self, engine: Engine) -> None:
         if self.bar is not None and self._epoch_mode(engine):
-            self._close()
+            self._close()  # one bar per epoch: the next opens at the next epoch's first step
+            self._open_at_next_step(engine)
 
     # -- per log ----------------------------------------------------------------
 
@@ -230,9 +238,10 @@ class ProgressBar(Callback):
 
     def on_teardown(self, engine: Engine) -> None:
         self._close()
-        for handle in self._step_handles:
-            handle.remove()
-        self._step_handles = []
+        for handle in (self._open_handle, self._update_handle):
+            if handle is not None:
+                handle.remove()
+        self._open_handle = self._update_handle = None
         self._in_eval = False
 
 

@@ -80,7 +80,8 @@ class FunctionHandler:
     only when it equals N; the counter is the number of steps for step events
     (completed steps for `on_step_end` / `on_log`), the number of epochs for
     epoch events, and the number of calls otherwise. `when(engine)` must also
-    be true.
+    be true. Without a filter the function itself is the event's hook: it
+    costs one call per event, like a callback's method (`calls` then stays 0).
     """
 
     def __init__(
@@ -102,7 +103,8 @@ class FunctionHandler:
         self.state_key = key
         self.calls = 0
         self._count = _counter(event)
-        setattr(self, event.value, self._call)
+        filtered = every is not None or once is not None or when is not None
+        setattr(self, event.value, self._call if filtered else fn)
 
     def _call(self, engine: Engine) -> None:
         self.calls += 1
@@ -248,8 +250,18 @@ class EventBus:
             try:
                 hook(self._engine)
             except Exception as exc:
-                errors.append(HookError(_owner(hook), event, exc, self._engine.state.step))
+                errors.append(HookError(self.owner(hook, event), event, exc, self._engine.state.step))
         return errors
+
+    def owner(self, hook: Any, event: Event) -> Any:
+        """The callback `hook` belongs to: its handler for a function registered with `on`.
+
+        Only errors ask (never the step), so a search is fine.
+        """
+        for callback in self.ordered:
+            if isinstance(callback, FunctionHandler) and callback.event is event and callback.fn is hook:
+                return callback
+        return getattr(hook, "__self__", hook)
 
 
 def _dispatch(engine: Engine, table: dict[Event, tuple[Any, ...]] | None = None, event: Any = None) -> None:
@@ -261,7 +273,7 @@ def _dispatch(engine: Engine, table: dict[Event, tuple[Any, ...]] | None = None,
     except HookError:
         raise
     except Exception as exc:
-        raise HookError(_owner(hook), event, exc, engine.state.step) from exc
+        raise HookError(engine._bus.owner(hook, event), event, exc, engine.state.step) from exc
 
 
 # Each event dispatches with its own copy of `_dispatch`'s code. CPython
@@ -287,7 +299,7 @@ class _Instrumented:
             except HookError:
                 raise
             except Exception as exc:
-                raise HookError(_owner(hook), self.event, exc, engine.state.step) from exc
+                raise HookError(self.bus.owner(hook, self.event), self.event, exc, engine.state.step) from exc
 
 
 def _event(event: Event | str) -> Event:
@@ -296,10 +308,6 @@ def _event(event: Event | str) -> Event:
     except ValueError:
         names = ", ".join(e.value for e in Event)
         raise ValueError(f"unknown event {event!r}; events are: {names}") from None
-
-
-def _owner(hook: Any) -> Any:
-    return getattr(hook, "__self__", hook)
 
 
 def _resolve_order(entries: list[tuple[Any, int]]) -> list[Any]:

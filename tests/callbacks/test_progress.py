@@ -169,3 +169,23 @@ def test_per_step_hooks_only_while_a_bar_is_shown():
     assert bar.hooks(cadence.Event.ON_STEP_END) == ()  # removed when the fit ends
     bar.fit(steps=2)  # and registered again for the next
     assert seen == [0, 1, 1]
+
+
+@pytest.mark.parametrize("epochs", [False, True])
+def test_after_its_first_step_a_bar_costs_one_hook_per_step(epochs):
+    seen = []
+
+    def step_hooks(engine):
+        seen.append((engine.state.step, len(engine.hooks(cadence.Event.ON_STEP_START))))
+
+    out = io.StringIO()
+    engine = make_engine([ProgressBar(mode="bar", stream=out)], data=tiny_batches(4))
+    engine.on(cadence.Event.ON_STEP_END)(step_hooks)
+    if epochs:
+        engine.fit(epochs=2)  # one bar per epoch: each opens at its epoch's first step
+        assert seen == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (7, 0), (8, 0)]
+        assert [s[0] for s in bar_states(out.getvalue()) if s[1] == 0] == ["epoch 1/2", "epoch 2/2"]
+    else:
+        engine.fit(steps=3)
+        assert seen == [(1, 0), (2, 0), (3, 0)]  # the bar opened at step 1, then its opener went
+        assert bar_states(out.getvalue())[-1][1:] == (3, 3)

@@ -209,6 +209,23 @@ def test_the_hook_that_raised_is_named_among_the_hooks_of_its_event(failing):
     assert calls == list(range(failing + 1))  # the hooks after it did not run
 
 
+@pytest.mark.parametrize("when", [None, lambda engine: True])
+def test_a_function_hook_that_raises_is_named_by_its_handler(when):
+    def report(engine):
+        raise RuntimeError("no sink")
+
+    engine = make_engine()
+    handle = engine.on(Event.ON_STEP_END, when=when)(report)
+    # Without a filter the function itself is the hook: one call per event.
+    assert engine.hooks(Event.ON_STEP_END) == ((report,) if when is None else (handle.callback.on_step_end,))
+    with pytest.raises(HookError) as info:
+        engine.fit(steps=1)
+    assert info.value.callback is handle.callback
+    assert f"'{handle.callback.state_key}'" in str(info.value) and "report" in str(info.value)
+    for error in engine._bus.fire_all(Event.ON_STEP_END):  # the teardown / exception path names it too
+        assert error.callback is handle.callback
+
+
 def test_teardown_error_surfaces_when_nothing_else_failed():
     class BadTeardown(Callback):
         def on_teardown(self, engine):
