@@ -1,6 +1,6 @@
 """Per-step overhead of Cadence against a hand-written PyTorch loop.
 
-    python benchmarks/overhead.py            # full run (about 7 minutes)
+    python benchmarks/overhead.py            # full run (10-14 minutes)
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
 
 Each measurement runs in a fresh process with one thread and glibc's malloc
