@@ -46,7 +46,7 @@ import torch
 
 import cadence
 from cadence.callbacks.checkpoint import Checkpoint
-from cadence.engine.checkpoint import load_checkpoint
+from cadence.checkpoint.payload import load_checkpoint
 
 WIDTH = 4096
 

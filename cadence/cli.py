@@ -285,8 +285,8 @@ def _alive(pid: int) -> bool:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from cadence.backends.file_store import FileStore
-    from cadence.engine.checkpoint import CheckpointError
+    from cadence.checkpoint.file_store import FileStore
+    from cadence.checkpoint.store import CheckpointError
 
     target = Path(args.checkpoint)
     if not target.exists():

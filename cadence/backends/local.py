@@ -130,6 +130,6 @@ class LocalBackend(Backend):
             self.scaler.update()
 
     def checkpoint_store(self, engine: Engine) -> Any:
-        from cadence.backends.file_store import FileStore
+        from cadence.checkpoint.file_store import FileStore
 
         return FileStore()

@@ -18,17 +18,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 import torch
 
-from cadence.callbacks.checkpoint_writer import AsyncWriter, Job
+from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, restore
+from cadence.checkpoint.store import CheckpointError, CheckpointStore
+from cadence.checkpoint.writer import AsyncWriter, Job
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
-from cadence.engine.checkpoint import (
-    CheckpointError,
-    CheckpointStore,
-    build_payload,
-    load_checkpoint,
-    load_pretrained,
-    restore,
-)
 from cadence.engine.events import Event
 from cadence.engine.order import Order
 

@@ -614,7 +614,7 @@ class Engine:
         Example:
             >>> engine = cadence.Engine.from_checkpoint("runs/x/checkpoints/latest", model, opt, data)  # doctest: +SKIP
         """
-        from cadence.engine.checkpoint import load_checkpoint
+        from cadence.checkpoint.payload import load_checkpoint
 
         engine = cls(*args, **kwargs)
         try:

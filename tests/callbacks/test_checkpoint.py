@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import cadence
-from cadence.backends import file_read
-from cadence.backends.file_store import FileStore
 from cadence.callbacks.checkpoint import Checkpoint, CheckpointConfig
-from cadence.callbacks.checkpoint_writer import AsyncWriter, Job
-from cadence.engine.checkpoint import CheckpointError, load_checkpoint
+from cadence.checkpoint import file_read
+from cadence.checkpoint.file_store import FileStore
+from cadence.checkpoint.payload import load_checkpoint
+from cadence.checkpoint.store import CheckpointError
+from cadence.checkpoint.writer import AsyncWriter, Job
 from tests.conftest import tiny_dataset, tiny_model
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from cadence.backends.file_store import FileStore
-from cadence.engine.checkpoint import CheckpointError
+from cadence.checkpoint.file_store import FileStore
+from cadence.checkpoint.store import CheckpointError
 from tests.callbacks import checkpoint_workers as workers
 
 pytestmark = pytest.mark.timeout(150)

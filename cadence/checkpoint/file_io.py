@@ -3,7 +3,7 @@
 Tensor bytes go straight from tensor memory to the file (no copy in Python)
 while a second thread computes the checksum (`TensorChecksum`; torch and zlib release the GIL), and
 `posix_fadvise(DONTNEED)` starts writeback early so the final fsync has little
-left to do. Reading is in `cadence.backends.file_read`.
+left to do. Reading is in `cadence.checkpoint.file_read`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cadence.engine.checkpoint import CheckpointError
+from cadence.checkpoint.store import CheckpointError
 
 logger = logging.getLogger("cadence.checkpoint")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.backends import file_io, file_read
-from cadence.backends.file_store import FileStore
-from cadence.engine.checkpoint import CheckpointError
+from cadence.checkpoint import file_io, file_read
+from cadence.checkpoint.file_store import FileStore
+from cadence.checkpoint.store import CheckpointError
 
 pytestmark = pytest.mark.timeout(60)
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="direct I/O and mincore are Linux's")

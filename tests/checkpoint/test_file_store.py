@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from cadence.backends import file_io, file_store
-from cadence.backends.file_store import FileStore
-from cadence.engine.checkpoint import CheckpointError, CheckpointStore
+from cadence.checkpoint import file_io, file_store
+from cadence.checkpoint.file_store import FileStore
+from cadence.checkpoint.store import CheckpointError, CheckpointStore
 
 pytestmark = pytest.mark.timeout(60)
 

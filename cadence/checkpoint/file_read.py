@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from cadence.backends.direct_io import ALIGN, LINUX, O_DIRECT, Prefault, aligned_empty, cached_fraction
-from cadence.backends.file_io import CHUNK, TensorChecksum, _flat_bytes
-from cadence.engine.checkpoint import CheckpointError
+from cadence.checkpoint.direct_io import ALIGN, LINUX, O_DIRECT, Prefault, aligned_empty, cached_fraction
+from cadence.checkpoint.file_io import CHUNK, TensorChecksum, _flat_bytes
+from cadence.checkpoint.store import CheckpointError
 
 BIG = 1 << 20  # tensors of at least this many bytes get their own aligned buffer (no copy)
 DIRECT_MIN = 8 << 20  # smaller files are read through the page cache

@@ -15,7 +15,7 @@ rename otherwise) and the old one is removed. `best` and history snapshots
 are folders of hard links to the files (copies where links fail). Reads check
 sizes first (truncation), then checksums as they read, and load
 `payload.pt` with `torch.load(weights_only=True)`. The byte-level work is in
-`cadence.backends.file_io`.
+`cadence.checkpoint.file_io`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from cadence.backends import file_io, file_read
-from cadence.engine.checkpoint import FORMAT, CheckpointError, CheckpointStore
+from cadence.checkpoint import file_io, file_read
+from cadence.checkpoint.store import FORMAT, CheckpointError, CheckpointStore
 
 MANIFEST = "manifest.json"
 PAYLOAD = "payload.pt"
@@ -52,7 +52,7 @@ class FileStore(CheckpointStore):
             checkpoints you trust whose callback states hold arbitrary Python objects.
         direct_io: read tensor files with direct I/O (True), through the page cache (False),
             or decide per file (None: direct for a large file mostly not cached, read by one
-            process); see `cadence.backends.file_read`.
+            process); see `cadence.checkpoint.file_read`.
 
     Example:
         >>> store = FileStore("/tmp/ckpts")                        # doctest: +SKIP

@@ -1,0 +1,16 @@
+"""Everything about a checkpoint's bytes: the store contract, the payload, the writers and stores.
+
+- `store`: `CheckpointStore` (the contract every store keeps) and `CheckpointError`.
+- `payload`: `build_payload` / `restore` / `load_checkpoint` / `load_pretrained`.
+- `writer`: the async writer and the staging of tensors it writes from.
+- `file_store` (with `file_io`, `file_read`, `direct_io`): folders of plain files,
+  one writer (one process and DDP).
+
+The `Checkpoint` callback (`cadence.callbacks.checkpoint`) holds the policy:
+when to save, which names, retention, best. A backend chooses its store
+(`Backend.checkpoint_store`).
+"""
+
+from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore
+
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "CheckpointStore"]
