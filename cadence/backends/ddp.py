@@ -7,11 +7,17 @@ the others run with `require_backward_grad_sync` off). Data is sharded by the en
 (padded, so every rank takes the same steps), evaluation and prediction data with
 `ExactShardSampler` (each sample once, no padding, so means are exact).
 The data and optimizer domains are both the whole world.
+
+With `ft` (TorchFT, see `cadence.backends.ft` and docs/fault-tolerance.md) the
+world is one replica group: gradients are all-reduced across replica groups by
+TorchFT's Manager, data is sharded over all of them, and metrics, evaluation
+and control requests stay inside the group.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -19,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.local import LocalBackend, default_device
-from cadence.engine.backend import Domain, ReduceOp
+from cadence.engine.backend import Domain, ReduceOp, StepPlan
 
 if TYPE_CHECKING:
+    from cadence.backends.ft import FaultTolerance, FTConfig
     from cadence.engine.control import Requests
     from cadence.engine.engine import Engine, EngineConfig
 
@@ -51,6 +58,9 @@ class DDPBackend(LocalBackend):
         device: None: `cuda:LOCAL_RANK` with NCCL, CPU with gloo.
         precision: "fp32", "bf16" or "fp16" (CUDA), as in `LocalBackend`.
         checkpoint: "file": the main process writes one file checkpoint.
+        ft: TorchFT fault tolerance across replica groups (`FTConfig` or a
+            mapping of its fields); this launch is one replica group, which
+            must be one process (`WORLD_SIZE=1`). See docs/fault-tolerance.md.
 
     Example:
         >>> import torch, cadence
@@ -78,6 +88,7 @@ class DDPBackend(LocalBackend):
         device: str | None = None,
         precision: str = "fp32",
         checkpoint: str = "file",
+        ft: FTConfig | Mapping[str, Any] | None = None,
     ) -> None:
         if checkpoint != "file":
             raise ValueError(
@@ -104,6 +115,17 @@ class DDPBackend(LocalBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
+        self.ft: FaultTolerance | None = None
+        if ft is not None:
+            from cadence.backends.ft import FaultTolerance, make_config, unsupported
+
+            if precision == "fp16":
+                raise unsupported(
+                    "precision='fp16'", "the GradScaler's own skips are not voted across groups; use bf16"
+                )
+            config = make_config(ft)
+            assert config is not None
+            self.ft = FaultTolerance(config)  # validates replica ids and the lighthouse address
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> DDPBackend:
@@ -120,6 +142,16 @@ class DDPBackend(LocalBackend):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.data_rank, self.data_size = self.rank, self.world_size
+        if self.ft is not None:
+            from cadence.backends.ft import unsupported
+
+            if self.world_size != 1:
+                raise unsupported(
+                    f"the ddp backend on {self.world_size} processes per replica group",
+                    "a replica group of the ddp backend is one process (WORLD_SIZE=1); start one launch per "
+                    "replica group, or use the mesh backend (FSDP2 inside a group) once it supports ft",
+                )
+            self.data_rank, self.data_size = self.ft.data_shard(self.rank, self.world_size)
         if self.requested_device:
             self.device = default_device(self.requested_device, self.local_rank)
         elif dist.get_backend() == "nccl":
@@ -132,10 +164,16 @@ class DDPBackend(LocalBackend):
         engine.model.to(self.device)
         from torch.nn.parallel import DistributedDataParallel
 
-        # DDP broadcasts rank 0's parameters and buffers here: every replica starts equal.
-        self._wrapped = DistributedDataParallel(
-            engine.model, device_ids=[self.device] if self.device.type == "cuda" else None, **self.ddp_options
-        )
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        if self.ft is not None:
+            from cadence.backends.ft import wrap_ddp
+
+            # TorchFT's DDP: the replica groups start equal when the first quorum heals them.
+            self.ft.start(engine, self.rank, self.world_size, self.device.type)
+            self._wrapped = wrap_ddp(self.ft.manager, engine.model, device_ids=device_ids, **self.ddp_options)
+        else:
+            # DDP broadcasts rank 0's parameters and buffers here: every replica starts equal.
+            self._wrapped = DistributedDataParallel(engine.model, device_ids=device_ids, **self.ddp_options)
         engine.wrapped_model = self._wrapped
 
     def _init_process_group(self) -> None:
@@ -163,12 +201,34 @@ class DDPBackend(LocalBackend):
         # abort the process there (gloo: "terminate called without an active
         # exception"). A group the user created is the user's to destroy, but
         # it must not be kept alive by us either.
+        if self.ft is not None:
+            self.ft.shutdown()
         self._wrapped, self.group = None, None
         if self.created_group and dist.is_initialized():
             dist.destroy_process_group()
         self.created_group = False
 
     # -- the step ---------------------------------------------------------
+
+    def step_plan(self, engine: Engine) -> StepPlan:
+        plan = super().step_plan(engine)
+        if self.ft is None:
+            return plan
+        import attrs
+
+        # One process per replica group: no control request to agree with anyone.
+        return self.ft.step_plan(engine, attrs.evolve(plan, agree=None))
+
+    def data_shard(self, split: str) -> tuple[int, int]:
+        """Training data over every rank (with ft: of every replica group); with ft, evaluation and prediction inside the group."""
+        if self.ft is not None and split != "train":
+            return self.rank, self.world_size
+        return self.data_rank, self.data_size
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """The main process; with ft, the main process of the participating replica group of rank 0."""
+        return self.is_main and (self.ft is None or self.ft.writes_checkpoint)
 
     def set_gradient_sync(self, enabled: bool) -> None:
         # What DistributedDataParallel.no_sync() sets and restores, set per micro-batch.
@@ -256,9 +316,18 @@ class DDPBackend(LocalBackend):
     # (inherited): keys carry no "module." prefix, so a checkpoint made on W
     # ranks loads on W' ranks, or on one process with the local backend.
 
+    def checkpoint_store(self, engine: Engine) -> Any:
+        store = super().checkpoint_store(engine)
+        if self.ft is None:
+            return store
+        from cadence.checkpoint.replica import ReplicaStore
+
+        return ReplicaStore(store, self.ft.replica_id, self.ft.group_size)
+
     def describe(self) -> str:
         pg = dist.get_backend(self.group) if self.group is not None and dist.is_initialized() else "uninitialized"
-        return f"ddp(rank={self.rank}/{self.world_size}, {pg}, device={self.device})"
+        ft = f", {self.ft.describe()}" if self.ft is not None else ""
+        return f"ddp(rank={self.rank}/{self.world_size}, {pg}, device={self.device}{ft})"
 
 
 def _buffer_sync_option(sync: bool) -> dict[str, bool]:

@@ -360,11 +360,13 @@ class Checkpoint(Callback):
         error: BaseException | None = None
         with engine.long_operation("checkpoint save"):
             try:
+                # Decided at each save: under TorchFT the writing replica group can change.
+                full = self.store.all_ranks_write or backend.writes_checkpoint
                 if fresh or links:
                     payload = build_payload(engine) if fresh else None
-                    job = Job(payload, "latest" if fresh else None, links, state.step, state.epoch, reason)
+                    job = Job(payload, "latest" if fresh else None, links, state.step, state.epoch, reason, full=full)
                     self._dispatch(job, done)
-                if ema is not None:
+                if ema is not None and full:
                     with ema.swapped(engine):  # `best` holds the averaged weights; written before they go back
                         self._dispatch(Job(build_payload(engine), "best", (), state.step, state.epoch, reason), done)
             except Exception as exc:
@@ -388,11 +390,16 @@ class Checkpoint(Callback):
             self._writer.submit(job)
         elif self._writes:
             self._commit(job)
-            done.append(job)
+            if job.full:
+                done.append(job)
 
     def _commit(self, job: Job) -> None:
         """Write and name one job (in the loop, or in the writer thread)."""
         store = self.store
+        if not job.full:  # another replica group writes the checkpoint: only this group's data state
+            if job.payload is not None and job.primary == "latest":
+                store.write_replica(job.primary, job.payload)
+            return
         if job.payload is not None and job.primary is not None:
             store.write(job.primary, job.payload)
         for name in job.links:
@@ -420,7 +427,8 @@ class Checkpoint(Callback):
         assert self._writer is not None
         done, error, failed = self._writer.take()
         for job in done:
-            self._committed(engine, job)
+            if job.full:
+                self._committed(engine, job)
         if error is None:
             return
         where = failed.names if failed is not None else ()

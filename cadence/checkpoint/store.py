@@ -99,6 +99,13 @@ class CheckpointStore(abc.ABC):
         """Wait for background work of the store (removing superseded checkpoints)."""
         return None
 
+    def write_replica(self, name: str, payload: Mapping[str, Any]) -> None:
+        """Write only this replica group's data state of `payload` (TorchFT: a group that does not write the run's checkpoint at this save).
+
+        Stores without replica groups have nothing to write.
+        """
+        return None
+
     @abc.abstractmethod
     def sweep(self) -> list[str]:
         """Remove leftovers of interrupted writes; returns what was removed."""

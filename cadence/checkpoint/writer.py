@@ -87,7 +87,12 @@ class Staging:
 
 @attrs.define
 class Job:
-    """One commit: write `payload` as `primary` (None: no write), then give it the names in `links`."""
+    """One commit: write `payload` as `primary` (None: no write), then give it the names in `links`.
+
+    `full` False: this rank's replica group does not write the run's checkpoint
+    at this save (TorchFT: another group does); only its own data state is
+    written (`CheckpointStore.write_replica`), and no name is linked.
+    """
 
     payload: Any
     primary: str | None
@@ -96,6 +101,7 @@ class Job:
     epoch: int
     reason: str
     staging: Staging | None = None
+    full: bool = True
 
     @property
     def droppable(self) -> bool:

@@ -125,6 +125,17 @@ class Backend:
         """True on the global main process (rank 0): it writes logs and files."""
         return self.rank == 0
 
+    @property
+    def writes_checkpoint(self) -> bool:
+        """Whether this rank writes the run's checkpoint at this save; asked at every save.
+
+        The main process by default. Under TorchFT the writer is the main process
+        of the replica group that is participating rank 0 in the last quorum, so
+        it can change during a run; the other groups' main processes write only
+        their own data state (`CheckpointStore.write_replica`).
+        """
+        return self.is_main
+
     # -- lifecycle --------------------------------------------------------
 
     def setup(self, engine: Engine) -> None:
@@ -295,6 +306,16 @@ class Backend:
         forward) holds what it needs here so that uneven shards finish.
         """
         return _NULL
+
+    def data_shard(self, split: str) -> tuple[int, int]:
+        """`(rank, size)` that shards the data of `split` ("train", "eval", "predict").
+
+        `(data_rank, data_size)` for every split by default. Under TorchFT the
+        training data is sharded over every replica group while evaluation and
+        prediction are sharded inside the group, so that every group computes
+        the same evaluation metrics (its reductions never cross groups).
+        """
+        return self.data_rank, self.data_size
 
     # -- collectives --------------------------------------------------------
 

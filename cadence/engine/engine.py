@@ -586,13 +586,14 @@ class Engine:
         if split == "train" and config.shuffle is None:
             config = attrs.evolve(config, shuffle=True)
         device = self.backend.device
+        data_rank, data_size = self.backend.data_shard(split)
         return DataSource(
             data,
             config,
             split=split,
             seed=self.seed,
-            data_rank=self.backend.data_rank,
-            data_size=self.backend.data_size,
+            data_rank=data_rank,
+            data_size=data_size,
             pin_memory_device=device.type if device.type != "cpu" else "",
         )
 

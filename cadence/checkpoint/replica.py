@@ -1,0 +1,196 @@
+"""Checkpoints of a job made of TorchFT replica groups: one run checkpoint, one data state per group.
+
+The run's checkpoint (model, optimizers, schedulers, counters, callbacks) is
+written by one replica group at a time (the backend's `writes_checkpoint`,
+decided at each save) through the inner store, in the checkpoint folder as
+usual. Each replica group's own *data state* (its train positions, its
+`epoch`/`batch_in_epoch`/`samples_seen`/`tokens_seen` and its RNG states) is
+written by that group at every save of `latest`, to
+`replicas/replica-<id>/latest` in the same folder (a small file checkpoint).
+
+On restore the group's own data state wins over the positions in the run's
+checkpoint (which are the writing group's): every group goes on with its own
+share of the data where it was. A group without a saved data state replays
+its share up to the checkpoint's batch. See docs/fault-tolerance.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore
+
+logger = logging.getLogger("cadence.checkpoint")
+
+#: Engine counters that belong to a replica group's position in its own data.
+DATA_COUNTERS = ("epoch", "batch_in_epoch", "samples_seen", "tokens_seen")
+
+
+def replica_payload(payload: Mapping[str, Any], replica_id: int) -> dict[str, Any]:
+    """The data state of a full payload built by this replica group (`build_payload`)."""
+    engine = payload["engine"]
+    rng = list(payload.get("rng") or [])
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "meta": {
+            "step": engine.get("step"),
+            "epoch": engine.get("epoch"),
+            "batch_in_epoch": engine.get("batch_in_epoch"),
+            "replica_id": replica_id,
+            "group_world": len(rng),
+        },
+        "engine": {name: engine[name] for name in DATA_COUNTERS if name in engine},
+        "data": dict(payload.get("data") or {}),
+        "rng": rng,
+    }
+
+
+class ReplicaStore(CheckpointStore):
+    """A store for one replica group: the run's checkpoints through `inner`, this group's data state beside them.
+
+    Args:
+        inner: the store of the run's checkpoints (the backend's usual one).
+        replica_id: this replica group's id.
+        group_size: the number of replica groups (data is sharded over all of them).
+    """
+
+    def __init__(self, inner: CheckpointStore, replica_id: int, group_size: int) -> None:
+        super().__init__(inner.directory)
+        self.inner, self.replica_id, self.group_size = inner, replica_id, group_size
+        self.all_ranks_write = inner.all_ranks_write  # type: ignore[misc]
+
+    def at(self, directory: Any) -> ReplicaStore:
+        other = copy.copy(self)
+        other.inner = self.inner.at(directory)
+        other.directory = Path(directory)
+        return other
+
+    def replica_directory(self, replica_id: int | None = None) -> Path:
+        """Where a replica group's data state lives (this group's by default)."""
+        rid = self.replica_id if replica_id is None else replica_id
+        return self.path("replicas") / f"replica-{rid}"
+
+    def _replica_store(self) -> CheckpointStore:
+        from cadence.checkpoint.file_store import FileStore
+
+        return FileStore(self.replica_directory())
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def write(self, name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+        manifest = self.inner.write(name, payload)
+        if name == "latest":
+            self.write_replica(name, payload)
+        return manifest
+
+    def write_replica(self, name: str, payload: Mapping[str, Any]) -> None:
+        """Write this group's data state (for `latest` only: a group's data state has one version)."""
+        if name == "latest":
+            self._replica_store().write("latest", replica_payload(payload, self.replica_id))
+
+    def link(self, src: str, dst: str) -> None:
+        self.inner.link(src, dst)
+
+    def delete(self, name: str) -> None:
+        self.inner.delete(name)
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def sweep(self) -> list[str]:
+        """Leftovers of this group's own interrupted data-state writes.
+
+        The shared folder is left alone: another replica group, possibly on
+        another host, may be writing the run's checkpoint into it right now.
+        """
+        return self._replica_store().sweep()
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def read(self, name: str, keys: Iterable[str] | None = None) -> dict[str, Any]:
+        """The run's checkpoint `name` with this group's own data state in place of the writer's."""
+        wanted = None if keys is None else list(keys)
+        payload = self.inner.read(name, wanted)
+        if wanted is not None and not {"engine", "data", "rng"} & set(wanted):
+            return payload
+        return self.with_own_data(payload, source=str(self.inner.path(name)))
+
+    def read_replica(self) -> dict[str, Any] | None:
+        """This group's saved data state, or None when there is none (a damaged one is logged and ignored)."""
+        store = self._replica_store()
+        if not store.exists("latest"):
+            return None
+        try:
+            return store.read("latest")
+        except CheckpointError as exc:
+            logger.warning("ft: ignoring this replica group's damaged data state: %s", exc)
+            return None
+
+    def with_own_data(self, payload: Mapping[str, Any], source: str = "") -> dict[str, Any]:
+        """`payload` with this group's data position, data counters and RNG (its train positions indexed by data rank)."""
+        result = dict(payload)
+        if "engine" not in payload:
+            return result
+        mine = self.read_replica()
+        group_world = int((payload.get("meta") or {}).get("world_size") or len(payload.get("rng") or []) or 1)
+        if mine is not None:
+            group_world = int(mine["meta"].get("group_world") or group_world)
+        first = self.replica_id * group_world
+        positions: list[Any] = [None] * (self.group_size * group_world)
+        if mine is None:
+            # The run's checkpoint holds the writing group's positions, not ours:
+            # this group replays its own share up to the checkpoint's batch.
+            logger.info(
+                "ft: no data state of replica group %d beside %s; its share of the data is replayed to batch %s",
+                self.replica_id,
+                source,
+                payload["engine"].get("batch_in_epoch"),
+            )
+            result["data"] = {"train": positions} if (payload.get("data") or {}).get("train") is not None else {}
+            return result
+        own_positions = (mine.get("data") or {}).get("train")
+        if own_positions is not None:
+            positions[first : first + len(own_positions)] = own_positions
+            result["data"] = {**dict(payload.get("data") or {}), "train": positions}
+        else:
+            result["data"] = {}
+        result["engine"] = {**dict(payload["engine"]), **mine["engine"]}
+        if mine.get("rng"):
+            result["rng"] = mine["rng"]
+        logger.info(
+            "ft: replica group %d goes on with its own data position (epoch %s, batch %s, saved at step %s) "
+            "and the run's checkpoint %s (step %s)",
+            self.replica_id,
+            mine["engine"].get("epoch"),
+            mine["engine"].get("batch_in_epoch"),
+            mine["meta"].get("step"),
+            source,
+            (payload.get("meta") or {}).get("step"),
+        )
+        return result
+
+    def manifest(self, name: str) -> dict[str, Any]:
+        return self.inner.manifest(name)
+
+    def verify(self, name: str) -> dict[str, Any]:
+        return self.inner.verify(name)
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def exists(self, name: str) -> bool:
+        return self.inner.exists(name)
+
+    def path(self, name: str) -> Path:
+        return self.inner.path(name)
+
+    def locate(self, path: Any) -> tuple[ReplicaStore, str]:
+        store, name = self.inner.locate(path)
+        other = copy.copy(self)
+        other.inner, other.directory = store, store.directory
+        return other, name
