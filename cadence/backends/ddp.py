@@ -196,6 +196,10 @@ class DDPBackend(LocalBackend):
         gather(out, tensor.reshape(-1), group=self.group)
         return out.view(self.world_size, *tensor.shape)
 
+    def process_group(self, domain: Domain = "data") -> Any:
+        """The world's group for both domains (None before setup and after teardown)."""
+        return self.group
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable `obj`, in rank order."""
         gathered: list[Any] = [None] * self.world_size

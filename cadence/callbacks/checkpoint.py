@@ -45,8 +45,10 @@ class CheckpointConfig:
         unit: "auto" (epoch mode when fit trains to an epoch target only), "step" or "epoch".
         keep_latest_k: history snapshots kept (latest and best are never deleted); 0 keeps all.
         save_best: also save `best` when the monitored evaluation score improves.
-        score_split: the evaluation split of the score (`engine.evaluate(split=...)`).
-        score_name: the metric's name within the split (`loss` for `val.loss`).
+        monitor: the score, dotted as `split.name` (`val.loss`, `test.f1`), as EarlyStopping's
+            and LRScheduler's `monitor`; None: `score_split` + `score_name`.
+        score_split: the evaluation split of the score (`engine.evaluate(split=...)`), when no `monitor`.
+        score_name: the metric's name within the split (`loss` for `val.loss`), when no `monitor`.
         mode: "min" or "max": which way the score improves.
         async_mode: "disabled" (the loop waits for the durable write) or "async"
             (it waits only for a copy into CPU staging buffers).
@@ -65,6 +67,9 @@ class CheckpointConfig:
     unit: Literal["auto", "step", "epoch"] = "auto"
     keep_latest_k: int = attrs.field(default=3, validator=attrs.validators.ge(0))
     save_best: bool = False
+    monitor: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.matches_re(r"[^.]+\..+"))
+    )
     score_split: str = "val"
     score_name: str = "loss"
     mode: Literal["min", "max"] = "min"
@@ -298,14 +303,17 @@ class Checkpoint(Callback):
         config = self.config
         if not (self._fitting and config.save_best):
             return
-        prefix = f"{config.score_split}."
-        name = config.score_name if config.score_name.startswith(prefix) else prefix + config.score_name
+        if config.monitor is not None:
+            prefix, name = config.monitor.partition(".")[0] + ".", config.monitor
+        else:
+            prefix = f"{config.score_split}."
+            name = config.score_name if config.score_name.startswith(prefix) else prefix + config.score_name
         if not any(key.startswith(prefix) for key in engine.logged):
             return  # another split was evaluated
         if name not in engine.logged:
             raise KeyError(
                 f"Checkpoint(save_best=True): no metric {name!r} in the evaluation results "
-                f"(got {sorted(engine.logged)}); set score_split / score_name"
+                f"(got {sorted(engine.logged)}); set monitor='split.name'"
             )
         score = float(engine.logged[name])
         best = self.best_score

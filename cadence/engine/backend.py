@@ -237,6 +237,16 @@ class Backend:
         if requests.any_pending or requests.any_agreed:
             requests.accept(requests.pending)
 
+    def process_group(self, domain: Domain = "data") -> Any:
+        """The torch.distributed process group of `domain`, or None when it has one process.
+
+        For code that must call torch.distributed (or a library such as
+        torchmetrics) over a domain itself; the engine's own collectives go
+        through `reduce`/`all_gather`. On a mesh the data domain's group is
+        not the world.
+        """
+        return None
+
     def barrier(self, timeout: float | None = None) -> None:
         """Wait for every rank."""
 
