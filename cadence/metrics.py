@@ -254,7 +254,7 @@ class Accuracy(Metric):
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         """Count the correct samples of one batch."""
-        if preds.dim() == target.dim() + 1:
+        if preds.dim() == target.dim() + 1 and preds.shape[:1] + preds.shape[2:] == target.shape:
             if preds.shape[1] < self.top_k:
                 raise ValueError(f"Accuracy(top_k={self.top_k}): preds have only {preds.shape[1]} classes")
             best = preds.topk(self.top_k, dim=1).indices  # (N, k, ...)

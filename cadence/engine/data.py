@@ -84,9 +84,10 @@ class DataSource:
                 dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed, drop_last=config.drop_last
             )
             kwargs["sampler"] = self.sampler
-        elif not iterable and size > 1:
+        elif not iterable and (size > 1 or shuffle):
             # Evaluation and prediction see every sample exactly once: padding
-            # would count repeated samples in the "exact" global mean.
+            # would count repeated samples in the "exact" global mean. Shuffled
+            # on one rank too, so the order is known (gathered predictions).
             self.sampler = ExactShardSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed)
             _check_every_rank_has_a_batch(self.split, len(dataset), size, config)
             kwargs["sampler"] = self.sampler
@@ -146,8 +147,8 @@ class DataSource:
     def sample_indices(self) -> list[int] | None:
         """The dataset indices this rank's loader yields this epoch, in order; None when unknown.
 
-        Known for a `Dataset` the engine built a loader for without shuffling
-        on one rank, and for every `ExactShardSampler` share (shuffled or not):
+        Known for evaluation and prediction `Dataset`s the engine built a
+        loader for (an `ExactShardSampler` share when sharded or shuffled):
         `predict(gather=True)` and `PredictionWriter` put samples back in
         dataset order with them. Call it after `epoch_iter`.
         """

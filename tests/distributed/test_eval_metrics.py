@@ -228,3 +228,38 @@ def test_predict_gather_on_two_ranks_returns_every_sample_once_in_dataset_order(
     ]  # 6 and 5 batches, two per file
     written = read_predictions(tmp_path)
     assert torch.equal(written, gathered)
+
+
+# -- the gather underneath --------------------------------------------------------------------------
+
+
+def gather_mixed():
+    from cadence.backends.ddp import DDPBackend
+    from cadence.engine.gather import gather_tensors
+
+    rank = int(os.environ["RANK"])
+    with cadence.Engine(torch.nn.Linear(1, 1), backend=DDPBackend(), seed=0) as engine:
+        mine = [
+            torch.arange(3 + rank, dtype=torch.int64),  # unequal lengths
+            torch.full((2, 1 + rank), 0.5 + rank, dtype=torch.float16),  # unequal shapes, odd byte counts
+            torch.tensor(rank == 1),  # 0-d bool
+            torch.empty(0) if rank == 0 else torch.ones(2, dtype=torch.float64),  # empty on one rank, dtypes differ
+        ]
+        collection = MacroAUROC()  # by hand, outside the engine
+        collection.update(torch.randn(3 + rank, CLASSES), torch.arange(3 + rank) % CLASSES)
+        with collection.sync(engine.backend):
+            synced = len(torch.cat(collection.scores))
+        return gather_tensors(engine.backend, mine), synced
+
+
+def test_gather_tensors_carries_every_shape_and_dtype():
+    gathered, synced = launch(gather_mixed, nprocs=2, start_method="fork", timeout=90)
+    longs, halves, flags, mixed = gathered
+    assert [t.tolist() for t in longs] == [[0, 1, 2], [0, 1, 2, 3]]
+    assert [(t.dtype, tuple(t.shape), float(t[0, 0])) for t in halves] == [
+        (torch.float16, (2, 1), 0.5),
+        (torch.float16, (2, 2), 1.5),
+    ]
+    assert [bool(t) for t in flags] == [False, True] and flags[0].shape == ()
+    assert mixed[0].numel() == 0 and mixed[1].dtype == torch.float64 and mixed[1].tolist() == [1.0, 1.0]
+    assert synced == 7
