@@ -58,8 +58,9 @@ def build_payload(engine: Engine) -> dict[str, Any]:
     backend, state = engine.backend, engine.state_dict()
     mine: dict[str, Any] = {"rng": _portable_rng(capture_rng())}
     train = engine.data.get("train")
-    if train is not None and state["batch_in_epoch"] and train.stateful():
-        mine["train"] = train.state_dict()
+    position = train.position(state["batch_in_epoch"]) if train is not None else None
+    if position is not None:
+        mine["train"] = position
     ranks = backend.all_gather_object(mine) if backend.world_size > 1 else [mine]
     run_config = engine.run_config
     return {
@@ -162,6 +163,14 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
             f"cannot be resharded, so epoch {payload['engine'].get('epoch')} restarts from its first batch "
             f"({payload['engine'].get('batch_in_epoch')} batches per rank are seen again)"
         )
+    train = engine.data.get("train")
+    mine = positions[backend.data_rank] if keep_position and positions is not None else None
+    problem = train.position_problem(mine) if mine is not None and train is not None else None
+    if problem is not None:
+        if strict:
+            raise fail(problem + "; or pass strict=False (the interrupted epoch then restarts)")
+        keep_position = False
+        warnings.append(problem + ": the interrupted epoch restarts from its first batch")
     callbacks = stateful_callbacks(engine)
     saved_states = payload["callbacks"]
     missing = sorted(set(callbacks) - set(saved_states))
@@ -343,14 +352,8 @@ def _restore_position(engine: Engine, payload: Mapping[str, Any], positions: lis
     mine = positions[engine.backend.data_rank] if positions is not None else None
     train = engine.data.get("train")
     restored = False
-    if mine is not None and train is not None and train.stateful():
-        # A distributed sampler's permutation depends on its epoch, which its state does not hold.
-        for sampler in {id(s): s for s in (train.sampler, getattr(train.loader, "sampler", None))}.values():
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(state["epoch"])
-        train.load_state_dict(mine)
-        restored = True
+    if mine is not None and train is not None:
+        restored = train.load_position(mine, state["epoch"])
     elif state.get("batch_in_epoch") and positions is None and payload.get("data", {}).get("train") is not None:
         state["batch_in_epoch"] = 0  # a position that cannot be used: the epoch restarts
     engine.state.load_state_dict(state)

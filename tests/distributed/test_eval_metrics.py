@@ -136,6 +136,8 @@ def count_collectives(workdir, metric_sets):
     rank = int(os.environ["RANK"])
     log = CollectiveLog(Path(workdir) / f"rank{rank}.jsonl")
     counts = []
+    # One process group for the four engines (each would otherwise start and end its own).
+    torch.distributed.init_process_group("gloo")
     with log.patch_torch_distributed():
         for given in metric_sets:
             engine = make_engine(CountingDDPBackend(log), given)
@@ -144,6 +146,7 @@ def count_collectives(workdir, metric_sets):
             engine.evaluate()
             counts.append(log.count - before)
             engine.close()
+    torch.distributed.destroy_process_group()
     return counts
 
 
