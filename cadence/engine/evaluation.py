@@ -295,15 +295,20 @@ def gather_outputs(backend: Backend, outputs: list[Any], indices: list[int] | No
     When some rank does not know its samples' dataset indices, the shares are
     joined in rank order.
     """
-    if not outputs:
-        raise ValueError("predict(gather=True): this rank has no batch to gather")
-    tree = concat_outputs(outputs)
-    leaves = _leaves(tree)
-    rows = leaves[0].shape[0]
+    tree = concat_outputs(outputs) if outputs else None
+    leaves = _leaves(tree) if outputs else []
+    rows = leaves[0].shape[0] if leaves else 0
+    device = leaves[0].device if leaves else backend.device
     known = indices is not None
-    index = torch.tensor(indices[:rows] if known else [], dtype=torch.int64, device=leaves[0].device)  # type: ignore[index]
-    flag = torch.tensor([int(known)], dtype=torch.int64, device=leaves[0].device)
-    gathered = gather_tensors(backend, [*leaves, index, flag])
+    index = torch.tensor(indices[:rows] if known else [], dtype=torch.int64, device=device)  # type: ignore[index]
+    flag = torch.tensor([int(known)], dtype=torch.int64, device=device)
+    try:
+        gathered = gather_tensors(backend, [*leaves, index, flag])
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"predict(gather=True): the ranks' outputs differ in structure (this rank: {len(outputs)} batches, "
+            f"{len(leaves)} tensors per output); every rank needs a batch and outputs of the same kind: {exc}"
+        ) from exc
     if not backend.is_main:
         return None
     *per_leaf, per_rank_index, flags = gathered

@@ -39,9 +39,9 @@ def gather_tensors(backend: Backend, tensors: Sequence[torch.Tensor]) -> list[li
     """
     if backend.data_size == 1:
         return [[t] for t in tensors]
-    if not tensors:
-        return []
-    device = tensors[0].device
+    # No early return without tensors: a rank that has none still takes part, and every rank
+    # then fails on the differing counts instead of the others waiting for it.
+    device = tensors[0].device if tensors else backend.device
     header = torch.zeros(len(tensors) * _HEADER + 1, dtype=torch.int64)
     header[0] = len(tensors)
     pieces = []

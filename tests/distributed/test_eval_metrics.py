@@ -266,3 +266,17 @@ def test_gather_tensors_carries_every_shape_and_dtype():
     assert [bool(t) for t in flags] == [False, True] and flags[0].shape == ()
     assert mixed[0].numel() == 0 and mixed[1].dtype == torch.float64 and mixed[1].tolist() == [1.0, 1.0]
     assert synced == 7
+
+
+def predict_with_an_empty_rank():
+    rank = int(os.environ["RANK"])
+    batches = [(torch.ones(3, 1),)] if rank == 0 else []
+    with cadence.Engine(index_model(), backend="ddp", seed=0) as engine:
+        engine.predict(batches, gather=True)
+
+
+def test_a_rank_without_predictions_fails_every_rank_instead_of_hanging():
+    from cadence.launch import WorkerError
+
+    with pytest.raises(WorkerError, match=r"predict\(gather=True\): the ranks' outputs differ in structure"):
+        launch(predict_with_an_empty_rank, nprocs=2, start_method="fork", timeout=60)
