@@ -205,6 +205,9 @@ class Mean(Metric):
         3.0
     """
 
+    total: torch.Tensor
+    weight: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.add_state("total", torch.tensor(0.0, dtype=torch.float64), "sum")
@@ -243,6 +246,9 @@ class Accuracy(Metric):
         >>> float(top2.compute())
         0.5
     """
+
+    correct: torch.Tensor
+    total: torch.Tensor
 
     def __init__(self, top_k: int = 1) -> None:
         super().__init__()

@@ -125,7 +125,7 @@ def _take(tree: Any, order: torch.Tensor) -> Any:
     if isinstance(tree, torch.Tensor):
         return tree[order]
     if isinstance(tree, Mapping):
-        return type(tree)((key, _take(value, order)) for key, value in tree.items())
+        return type(tree)((key, _take(value, order)) for key, value in tree.items())  # type: ignore[call-arg]
     items = [_take(item, order) for item in tree]
     return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
 
@@ -134,7 +134,7 @@ def _detached(tree: Any) -> Any:
     if isinstance(tree, torch.Tensor):
         return tree.detach()
     if isinstance(tree, Mapping):
-        return type(tree)((key, _detached(value)) for key, value in tree.items())
+        return type(tree)((key, _detached(value)) for key, value in tree.items())  # type: ignore[call-arg]
     if isinstance(tree, (tuple, list)):
         items = [_detached(item) for item in tree]
         return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)

@@ -257,7 +257,7 @@ def concat_outputs(outputs: list[Any], what: str = "predict(gather=True)") -> An
     if isinstance(first, torch.Tensor):
         return torch.cat([o.reshape(1) if o.dim() == 0 else o for o in outputs])
     if isinstance(first, Mapping):
-        return type(first)((key, concat_outputs([o[key] for o in outputs], what)) for key in first)
+        return type(first)((key, concat_outputs([o[key] for o in outputs], what)) for key in first)  # type: ignore[call-arg]
     if isinstance(first, (tuple, list)):
         joined = [concat_outputs([o[i] for o in outputs], what) for i in range(len(first))]
         return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
@@ -282,7 +282,7 @@ def _rebuild(tree: Any, leaves: list[torch.Tensor]) -> Any:
         if isinstance(node, torch.Tensor):
             return next(it)
         if isinstance(node, Mapping):
-            return type(node)((key, build(node[key])) for key in node)
+            return type(node)((key, build(node[key])) for key in node)  # type: ignore[call-arg]
         items = [build(item) for item in node]
         return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
 
