@@ -280,3 +280,45 @@ def test_a_rank_without_predictions_fails_every_rank_instead_of_hanging():
 
     with pytest.raises(WorkerError, match=r"predict\(gather=True\): the ranks' outputs differ in structure"):
         launch(predict_with_an_empty_rank, nprocs=2, start_method="fork", timeout=60)
+
+
+def local_engines_in_a_world():
+    from torchmetrics.classification import MulticlassF1Score
+
+    # A world of two processes whose engines each have a data domain of one process (as the tensor ranks
+    # of one data group on a mesh): torchmetrics must not synchronize over the world.
+    torch.distributed.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    data = tiny_dataset(10 + 7 * rank, classes=CLASSES, seed=rank)
+    f1 = MulticlassF1Score(CLASSES, average="macro")
+    with cadence.Engine(
+        tiny_model(seed=5, classes=CLASSES),
+        eval_data=data,
+        loss_fn=F.cross_entropy,
+        metrics={"f1": f1},
+        backend="local",
+        seed=0,
+    ) as engine:
+        in_engine = engine.evaluate()["val.f1"]
+        inputs, targets = data.tensors
+        with torch.no_grad():
+            f1.update(engine.model(inputs), targets)
+        by_hand = float(f1.compute())  # outside the engine: still this process only
+    local = MulticlassF1Score(CLASSES, average="macro", sync_on_compute=False)
+    world = MulticlassF1Score(CLASSES, average="macro")  # torchmetrics' default: the world, when there is one
+    with torch.no_grad():
+        for reference in (local, world):
+            reference.update(tiny_model(seed=5, classes=CLASSES)(inputs), targets)
+    expected, over_the_world = float(local.compute()), float(world.compute())
+    results = [None, None]
+    torch.distributed.all_gather_object(results, (in_engine, by_hand, expected, over_the_world))
+    torch.distributed.destroy_process_group()
+    return results
+
+
+def test_a_one_process_data_domain_inside_a_world_is_not_synchronized_over_the_world():
+    per_rank = launch(local_engines_in_a_world, nprocs=2, start_method="fork", timeout=60)
+    for in_engine, by_hand, expected, over_the_world in per_rank:
+        assert in_engine == by_hand == expected
+        assert over_the_world != expected  # what the engine's settings prevent
+    assert per_rank[0][0] != per_rank[1][0]  # each rank kept its own data's value
