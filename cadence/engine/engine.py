@@ -203,6 +203,13 @@ class Engine:
         #: During predict(): the dataset indices of the samples in `engine.batch` (None when unknown).
         self.batch_indices: list[int] | None = None
         self.eval_metrics = MetricSet(metrics, metric_inputs) if metrics is not None else None
+        eval_sets = _eval_sets(eval_data)  # checked before any process group starts
+        unknown = sorted(set(self.config.eval_sets) - set(eval_sets))
+        if unknown:
+            raise ValueError(
+                f"config eval_sets.{unknown[0]}: eval_data has no split {unknown[0]!r} (it has {sorted(eval_sets)}); "
+                "name the sets alike in eval_data={...} and the config"
+            )
         self._metric_inputs_given = metric_inputs is not None
         self.batch: Any = None
         self.outputs: Any = None
@@ -244,13 +251,6 @@ class Engine:
         ):
             if data is not None:
                 self.data[split] = self._data_source(data, data_config, split)
-        eval_sets = _eval_sets(eval_data)
-        unknown = sorted(set(self.config.eval_sets) - set(eval_sets))
-        if unknown:
-            raise ValueError(
-                f"config eval_sets has {unknown} but eval_data has no such split (it has {sorted(eval_sets)}); "
-                "name the sets alike in eval_data={...} and the config"
-            )
         for split, data in eval_sets.items():
             self.data[split] = self._data_source(data, self._eval_loader_config(split), split)
         self.eval_splits = tuple(eval_sets)

@@ -114,7 +114,9 @@ def test_one_set_given_alone_is_val_and_named_by_split_as_before():
 
 
 def test_bad_set_names_and_sets_missing_from_the_data_are_errors_at_construction():
-    with pytest.raises(ValueError, match=r"config eval_sets has \['tset'\] but eval_data has no such split"):
+    with pytest.raises(
+        ValueError, match=r"config eval_sets.tset: eval_data has no split 'tset' \(it has \['test', 'val'\]\)"
+    ):
         make_engine(eval_sets={"tset": {"every_steps": 2}})
     with pytest.raises(ValueError, match=r"evaluation split 'val.x': a split is a non-empty name without dots"):
         make_engine(eval_data={"val.x": tiny_batches(2)})
