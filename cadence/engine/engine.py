@@ -377,12 +377,14 @@ class Engine:
                     agree(requests)  # skip / stop / save / ...: one small collective
                 elif requests.any_pending or requests.any_agreed:
                     requests.accept(requests.pending)  # no other rank to agree with
-                if not agreed[skip]:
-                    optimizer_step()
+                if agreed[skip]:
+                    skip_step is None or skip_step()  # e.g. close the fp16 scaler's step
+                elif optimizer_step() is False:  # not applied (DeepSpeed's overflow, TorchFT's refused commit)
+                    agreed[skip] = 1  # counted as an agreed skip, seen by every callback
+                    requests.any_agreed = True
+                else:
                     hooks[_ON_OPTIMIZER_STEP] and fires[_ON_OPTIMIZER_STEP](self)
-                elif skip_step is not None:
-                    skip_step()  # e.g. close the fp16 scaler's step
-                zero_grad()
+                zero_grad is None or zero_grad()
                 state.micro_step += n
                 state.batch_in_epoch += n
                 state.samples_seen += batch_size(micro_batches[0]) if n == 1 else sum(map(batch_size, micro_batches))
@@ -445,7 +447,7 @@ class Engine:
         value x batch size over the sum of batch sizes, not a mean of means.
         """
         source = self._source(data, "eval")
-        with self._run(), torch.no_grad(), restore_training_mode(self.model, False):
+        with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
             store = MetricStore()
             self._active_metrics, self._metric_prefix = store, f"{split}."
             try:
@@ -472,7 +474,7 @@ class Engine:
         """Run the model on every batch of `data` (default: predict data); returns the outputs."""
         source = self._source(data, "predict")
         outputs: list[Any] = []
-        with self._run(), torch.no_grad(), restore_training_mode(self.model, False):
+        with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
             self.fire(Event.ON_PREDICT_START)
             for batch in source.epoch_iter(0, fresh=True):
                 self.batch = self._place(batch)
