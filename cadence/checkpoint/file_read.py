@@ -303,9 +303,10 @@ class _Reader:
         target = memory(view)
         done = 0
         while done < need:
-            direct = self.direct is not None and not self.refused and done % ALIGN == 0  # else a short read left it
+            fd = self.direct if self.direct is not None and not self.refused and done % ALIGN == 0 else None
+            direct = fd is not None  # else a short read left it unaligned
             try:
-                n = self._pread(self.direct if direct else self.plain, target[done:], offset + done)
+                n = self._pread(self.plain if fd is None else fd, target[done:], offset + done)
             except OSError as exc:
                 if not (direct and exc.errno == errno.EINVAL):
                     raise
