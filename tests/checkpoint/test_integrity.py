@@ -26,8 +26,6 @@ from tests.test_cli import cli
 
 pytestmark = pytest.mark.timeout(60)
 
-BLOCK = 4096
-
 
 def block_words(data: bytearray, start: int) -> list[int]:
     return list(struct.unpack_from("<512Q", data, start))
