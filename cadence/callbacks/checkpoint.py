@@ -93,12 +93,15 @@ class SavedCheckpoint:
 class Checkpoint(Callback):
     """Saves checkpoints and applies the launch modes (resume > auto_resume > pretrained).
 
-    Saves `latest` every `interval` (with a history snapshot), when a `save`
-    (or `preempt`) request is agreed, and when fit ends; `best` when
-    `save_best` is set and the score improves. The launch mode is applied in
-    `on_setup`, once, before the first run; `on_load` fires after a restore
-    and `on_save` after each commit (for async saves: on the loop thread, at
-    the first step end after the commit, or at teardown).
+    Saves at the loop's save point (`on_save_point`: after each step's
+    logging and evaluation, and after each epoch's evaluation and
+    `on_epoch_end`), so a checkpoint holds everything that evaluation changed:
+    `latest` every `interval` (with a history snapshot), when a `save` (or
+    `preempt`) request is agreed, and when fit ends; `best` (at the next save
+    point) when `save_best` is set and the score improved. The launch mode is
+    applied in `on_setup`, once, before the first run; `on_load` fires after a
+    restore and `on_save` after each commit (for async saves: on the loop
+    thread, at the first save point after the commit, or at teardown).
 
     Order: `Order.CHECKPOINT` (100): after every state-changing callback, so
     a checkpoint holds the step's final state; before `Preemption`.
@@ -129,7 +132,9 @@ class Checkpoint(Callback):
         self._main = True
         self._collective = False  # a collective store on more than one rank
         self._fitting = False
-        self._last_key: tuple[int, int, int] | None = None
+        self._last_key: tuple[int, int, int, int] | None = None
+        self._evaluations = 0  # evaluations seen: part of the key that tells a new state from a saved one
+        self._best_due = False  # the score improved since the last save point
         self._step_interval = 0
         self._epoch_interval = 0
         self._save_slot = 2
@@ -311,7 +316,7 @@ class Checkpoint(Callback):
                     "checkpoint: registered after the engine's first run; resume, auto_resume and "
                     "pretrained apply only in on_setup (use Engine.from_checkpoint)"
                 )
-        self._fitting = True
+        self._fitting, self._best_due = True, False
         config, (target_step, target_epoch) = self.config, engine.fit_target
         unit = config.unit
         if unit == "auto":
@@ -330,36 +335,30 @@ class Checkpoint(Callback):
                 self._writer = AsyncWriter(self._commit, supersede=not self._collective)
             self._writer.start()
 
-    def on_step_end(self, engine: Engine) -> None:
+    def on_save_point(self, engine: Engine) -> None:
+        # Fired after the step's (or the epoch's) evaluation and agreement: what
+        # is saved here is the state an uninterrupted run goes on from.
         writer = self._writer
         if writer is not None and (writer.done or writer.error is not None):
             self._collect(engine)
-        agreed = engine.requests.agreed
+        state, agreed = engine.state, engine.requests.agreed
         forced = agreed[self._save_slot]
         slot = self._preempt_slot
         if slot is None:  # Preemption may register its request after this callback started
             slot = self._preempt_slot = engine.requests.index.get("preempt")
         if slot is not None and agreed[slot]:
             forced = 1
-        interval, step = self._step_interval, engine.state.step
-        if interval and step % interval == 0:
-            self._save(engine, history=f"ckpt-s{step:012d}", reason="interval")
-        elif forced:
-            self._save(engine, reason="requested")
-
-    def on_epoch_start(self, engine: Engine) -> None:
-        # A save or preemption agreed at the last epoch end (after on_epoch_end) is seen here.
-        slot = self._preempt_slot
-        if engine.requests.agreed[self._save_slot] or (slot is not None and engine.requests.agreed[slot]):
-            self._save(engine, reason="requested")
-
-    def on_epoch_end(self, engine: Engine) -> None:
-        epoch, interval = engine.state.epoch, self._epoch_interval
-        history = f"ckpt-e{epoch:06d}" if interval and epoch % interval == 0 else None
-        if history:
-            self._save(engine, history=history, reason="interval")
+        if state.batch_in_epoch:  # a step's save point
+            interval, count, history = self._step_interval, state.step, f"ckpt-s{state.step:012d}"
+        else:  # the epoch's (batch_in_epoch was reset when the epoch ended)
+            interval, count, history = self._epoch_interval, state.epoch, f"ckpt-e{state.epoch:06d}"
+        periodic = bool(interval) and count % interval == 0
+        if periodic or forced or self._best_due:
+            reason = "interval" if periodic else "requested" if forced else "best"
+            self._save(engine, history=history if periodic else None, best=self._best_due, reason=reason)
 
     def on_eval_end(self, engine: Engine) -> None:
+        self._evaluations += 1  # an evaluation changes state (best, schedulers, early stopping): a new save
         config = self.config
         if not (self._fitting and config.save_best):
             return
@@ -378,11 +377,11 @@ class Checkpoint(Callback):
         if not improved:
             return
         self.best_score, self.best_step = score, engine.state.step
-        self._save(engine, best=True, reason="best")
+        self._best_due = True  # saved at the save point, with what the rest of the step changes
 
     def on_fit_end(self, engine: Engine) -> None:
-        if self.config.save_on_fit_end:
-            self._save(engine, reason="end of fit")
+        if self.config.save_on_fit_end or self._best_due:
+            self._save(engine, best=self._best_due, reason="end of fit")
         self._fitting = False
 
     def on_teardown(self, engine: Engine) -> None:
@@ -415,7 +414,7 @@ class Checkpoint(Callback):
 
     def _save(self, engine: Engine, *, history: str | None = None, best: bool = False, reason: str) -> None:
         state = engine.state
-        key = (state.step, state.epoch, state.batch_in_epoch)
+        key = (state.step, state.epoch, state.batch_in_epoch, self._evaluations)
         ema = _ema_for_best(engine) if best else None
         links = tuple(n for n in (history, "best" if best and ema is None else None) if n)
         fresh = key != self._last_key  # a save at the same state only adds names to `latest`
@@ -451,6 +450,8 @@ class Checkpoint(Callback):
         if error is not None:
             raise error
         self._last_key = key
+        if best:
+            self._best_due = False
         for job in done:
             self._committed(engine, job)
 

@@ -55,13 +55,13 @@ def build_payload(engine: Engine) -> dict[str, Any]:
     over the data domain (one entry per data rank, indexed by `data_rank` on
     restore; ranks of one data rank, e.g. tensor-parallel peers, hold the same
     position), the RNG over the optimizer domain (one entry per rank, which is
-    every rank on DDP and a mesh). The train position is saved only inside an
-    epoch: at an epoch boundary the next epoch is reseeded by the engine.
+    every rank on DDP and a mesh). What a rank saves of its train data is
+    `DataSource.position`.
     """
     backend, state = engine.backend, engine.state_dict()
     rng = _portable_rng(capture_rng())
     train = engine.data.get("train")
-    position = train.state_dict() if train is not None and state["batch_in_epoch"] and train.stateful() else None
+    position = train.position(state["batch_in_epoch"]) if train is not None else None
     positions = backend.all_gather_object(position, domain="data") if backend.data_size > 1 else [position]
     rngs = backend.all_gather_object(rng, domain="optimizer") if backend.world_size > 1 else [rng]
     run_config = engine.run_config
@@ -190,6 +190,14 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
             f"cannot be resharded, so epoch {payload['engine'].get('epoch')} restarts from its first batch "
             f"({payload['engine'].get('batch_in_epoch')} batches per rank are seen again)"
         )
+    train = engine.data.get("train")
+    mine = positions[backend.data_rank] if keep_position and positions is not None else None
+    problem = train.position_problem(mine) if mine is not None and train is not None else None
+    if problem is not None:
+        if strict:
+            raise fail(problem + "; or pass strict=False (the interrupted epoch then restarts)")
+        keep_position = False
+        warnings.append(problem + ": the interrupted epoch restarts from its first batch")
     callbacks = stateful_callbacks(engine)
     saved_states = payload["callbacks"]
     missing = sorted(set(callbacks) - set(saved_states))
@@ -371,14 +379,8 @@ def _restore_position(engine: Engine, payload: Mapping[str, Any], positions: lis
     mine = positions[engine.backend.data_rank] if positions is not None else None
     train = engine.data.get("train")
     restored = False
-    if mine is not None and train is not None and train.stateful():
-        # A distributed sampler's permutation depends on its epoch, which its state does not hold.
-        for sampler in {id(s): s for s in (train.sampler, getattr(train.loader, "sampler", None))}.values():
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(state["epoch"])
-        train.load_state_dict(mine)
-        restored = True
+    if mine is not None and train is not None:
+        restored = train.load_position(mine, state["epoch"])
     elif state.get("batch_in_epoch") and positions is None and payload.get("data", {}).get("train") is not None:
         state["batch_in_epoch"] = 0  # a position that cannot be used: the epoch restarts
     engine.state.load_state_dict(state)

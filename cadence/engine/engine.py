@@ -31,6 +31,7 @@ logger = logging.getLogger("cadence")
 _ON_STEP_START, _ON_STEP_END = Event.ON_STEP_START, Event.ON_STEP_END
 _ON_BEFORE_OPTIMIZER_STEP, _ON_OPTIMIZER_STEP = Event.ON_BEFORE_OPTIMIZER_STEP, Event.ON_OPTIMIZER_STEP
 _ON_BATCH, _ON_FORWARD, _ON_BACKWARD = Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD
+_ON_SAVE_POINT = Event.ON_SAVE_POINT
 
 
 @attrs.define(kw_only=True)
@@ -397,6 +398,7 @@ class Engine:
                     self._log_metrics()
                 if eval_every and state.step % eval_every == 0 and "eval" in self.data:
                     self.evaluate()
+                hooks[_ON_SAVE_POINT] and fires[_ON_SAVE_POINT](self)  # checkpoint, preemption
                 if agreed[stop] or state.step >= stop_step:
                     break
             if feed.epoch_over(source, state, accum):
@@ -432,6 +434,9 @@ class Engine:
         if stopping:  # a stop agreed at the epoch's last step still holds
             self.requests.agreed[stop] = max(stopping, self.requests.agreed[stop])
             self.requests.any_agreed = True
+        # After the agreement: a save requested at epoch end is taken here, and
+        # a checkpoint holds the state an uninterrupted run goes on from.
+        self.fire(Event.ON_SAVE_POINT)
 
     def _log_metrics(self) -> None:
         self.metrics.collect()  # values callbacks aggregate themselves (TrainMetrics)
