@@ -142,7 +142,7 @@ class AsyncWriter:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Stage `job.payload` and queue the job (waits only if a non-droppable job is waiting)."""
+        """Stage `job.payload` and queue the job (waits while a job it may not replace is waiting)."""
         with self._cond:
             staging = None
             queued = self._queued
