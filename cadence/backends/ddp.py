@@ -227,8 +227,8 @@ class DDPBackend(LocalBackend):
 
     @property
     def writes_checkpoint(self) -> bool:
-        """The main process; with ft, the main process of the participating replica group of rank 0."""
-        return self.is_main and (self.ft is None or self.ft.writes_checkpoint)
+        """True; with ft, only in the replica group that is participating rank 0 in the last quorum."""
+        return self.ft is None or self.ft.writes_checkpoint
 
     def set_gradient_sync(self, enabled: bool) -> None:
         # What DistributedDataParallel.no_sync() sets and restores, set per micro-batch.

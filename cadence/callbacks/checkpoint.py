@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 import torch
 
-from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, restore
-from cadence.checkpoint.store import CheckpointError, CheckpointStore
+from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, locate, restore
+from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
 from cadence.checkpoint.writer import AsyncWriter, Job
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
@@ -45,8 +45,10 @@ class CheckpointConfig:
         unit: "auto" (epoch mode when fit trains to an epoch target only), "step" or "epoch".
         keep_latest_k: history snapshots kept (latest and best are never deleted); 0 keeps all.
         save_best: also save `best` when the monitored evaluation score improves.
-        score_split: the evaluation split of the score (`engine.evaluate(split=...)`).
-        score_name: the metric's name within the split (`loss` for `val.loss`).
+        monitor: the score, dotted as `split.name` (`val.loss`, `test.f1`), as EarlyStopping's
+            and LRScheduler's `monitor`; None: `score_split` + `score_name`.
+        score_split: the evaluation split of the score (`engine.evaluate(split=...)`), when no `monitor`.
+        score_name: the metric's name within the split (`loss` for `val.loss`), when no `monitor`.
         mode: "min" or "max": which way the score improves.
         async_mode: "disabled" (the loop waits for the durable write) or "async"
             (it waits only for a copy into CPU staging buffers).
@@ -65,6 +67,9 @@ class CheckpointConfig:
     unit: Literal["auto", "step", "epoch"] = "auto"
     keep_latest_k: int = attrs.field(default=3, validator=attrs.validators.ge(0))
     save_best: bool = False
+    monitor: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.matches_re(r"[^.]+\..+"))
+    )
     score_split: str = "val"
     score_name: str = "loss"
     mode: Literal["min", "max"] = "min"
@@ -128,7 +133,9 @@ class Checkpoint(Callback):
         self.store: CheckpointStore = None  # type: ignore[assignment]  # set in on_setup
         self.last_saved: SavedCheckpoint | None = None
         self._writer: AsyncWriter | None = None
-        self._writes = False
+        self._writes = False  # this rank calls the store's write (the main rank; every rank for collective stores)
+        self._main = True
+        self._collective = False  # a collective store on more than one rank
         self._fitting = False
         self._last_key: tuple[int, int, int, int] | None = None
         self._evaluations = 0  # evaluations seen: part of the key that tells a new state from a saved one
@@ -152,12 +159,37 @@ class Checkpoint(Callback):
 
     def _bind(self, engine: Engine) -> None:
         directory = Path(self.config.dir) if self.config.dir else engine.run_dir / "checkpoints"
-        self.store = engine.backend.checkpoint_store(engine).at(directory)
-        self._writes = self.store.all_ranks_write or engine.backend.is_main
-        if self._writes:
-            removed = self.store.sweep()
+        backend = engine.backend
+        self.store = backend.checkpoint_store(engine).at(directory)
+        self._main = backend.is_main
+        self._collective = self.store.collective and backend.world_size > 1
+        self._writes = self.store.collective or self._main
+
+        def sweep() -> None:
+            with store_errors("sweeping leftovers of interrupted writes", directory):
+                removed = self.store.sweep()
             if removed:
                 logger.info("checkpoint: removed leftovers of interrupted writes in %s: %s", directory, removed)
+
+        self._main_only(sweep)
+
+    def _main_only(self, work: Any) -> None:
+        """Run `work` on the main rank; for a collective store every rank then waits at the store's barrier.
+
+        The main rank's error is raised after the barrier, so the other ranks are not left waiting.
+        """
+        error: BaseException | None = None
+        if self._main:
+            try:
+                work()
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:
+                error = exc
+        if self._collective:
+            self.store.barrier()
+        if error is not None:
+            raise error
 
     def on_setup(self, engine: Engine) -> None:
         self._bind(engine)
@@ -175,19 +207,33 @@ class Checkpoint(Callback):
             self._load_pretrained(engine)
 
     def _auto_resume(self, engine: Engine) -> bool:
-        """Restore the newest complete checkpoint of this run; False if there is none."""
+        """Restore the newest complete checkpoint of this run; False if there is none.
+
+        The main rank picks: a collective store's candidates are checked with
+        `manifest` and `verify` only (its `read` is a collective), a file
+        store's are read (the read verifies, and the pick's payload is kept).
+        The pick is broadcast, then every other rank reads it (a collective
+        store: every rank together), and the ranks agree that every read
+        succeeded.
+        """
         backend, store = engine.backend, self.store
         picked, payload, problems = None, None, []
         if backend.is_main:
             for name in self._candidates():
                 try:
-                    payload = store.read(name)
+                    with store_errors("checking", store.path(name)):
+                        if store.collective:
+                            store.manifest(name)
+                            store.verify(name)
+                        else:
+                            payload = store.read(name)
                 except CheckpointError as exc:
                     problems.append(str(exc))
                     continue
                 picked = name
                 break
-        picked, problems = backend.broadcast_object((picked, problems))
+        if backend.world_size > 1:
+            picked, problems = backend.broadcast_object((picked, problems))
         if picked is None:
             if problems:
                 raise CheckpointError(
@@ -202,10 +248,32 @@ class Checkpoint(Callback):
             logger.warning(
                 "auto_resume: falling back to the previous complete checkpoint %r: %s", picked, " | ".join(problems)
             )
-        if payload is None:
-            payload = store.read(picked)
+        payload = self._read_everywhere(engine, picked, payload)
         restore(engine, payload, strict=self.config.strict, source=str(store.path(picked)))
         return True
+
+    def _read_everywhere(self, engine: Engine, name: str, payload: dict[str, Any] | None) -> dict[str, Any]:
+        """`name`'s payload on every rank (read where not given); an error on any rank is raised on every rank."""
+        backend, store = engine.backend, self.store
+        error: CheckpointError | None = None
+        if payload is None:
+            try:
+                with store_errors("reading", store.path(name)):
+                    payload = store.read(name)
+            except CheckpointError as exc:
+                error = exc
+        if backend.world_size > 1:
+            failed = [
+                (rank, text)
+                for rank, text in enumerate(backend.all_gather_object(error and str(error), domain="optimizer"))
+                if text
+            ]
+            if failed and error is None:
+                error = CheckpointError(f"rank {failed[0][0]} could not read it: {failed[0][1]}", path=store.path(name))
+        if error is not None:
+            raise error
+        assert payload is not None
+        return payload
 
     def _candidates(self) -> list[str]:
         """`latest`, then history snapshots newest first (present even when damaged)."""
@@ -233,8 +301,9 @@ class Checkpoint(Callback):
             state = obj.get("model", obj.get("state_dict", obj)) if isinstance(obj, Mapping) else obj
             step = None
         else:
-            store, name = self.store.locate(path)
-            payload = store.read(name, keys=["model"])
+            store, name = locate(engine, self.store, path)
+            with store_errors("reading pretrained weights", store.path(name)):
+                payload = store.read(name, keys=["model"])
             state, step = payload["model"], payload.get("meta", {}).get("step")
         if not isinstance(state, Mapping):
             raise CheckpointError(f"pretrained weights must be a state dict, got {type(state).__name__}", path=path)
@@ -267,7 +336,8 @@ class Checkpoint(Callback):
         self._preempt_slot = engine.requests.index.get("preempt")
         if config.async_mode == "async" and self._writes:
             if self._writer is None:
-                self._writer = AsyncWriter(self._commit)
+                # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
+                self._writer = AsyncWriter(self._commit, supersede=not self._collective)
             self._writer.start()
 
     def on_save_point(self, engine: Engine) -> None:
@@ -297,14 +367,17 @@ class Checkpoint(Callback):
         config = self.config
         if not (self._fitting and config.save_best):
             return
-        prefix = f"{config.score_split}."
-        name = config.score_name if config.score_name.startswith(prefix) else prefix + config.score_name
+        if config.monitor is not None:
+            prefix, name = config.monitor.partition(".")[0] + ".", config.monitor
+        else:
+            prefix = f"{config.score_split}."
+            name = config.score_name if config.score_name.startswith(prefix) else prefix + config.score_name
         if not any(key.startswith(prefix) for key in engine.logged):
             return  # another split was evaluated
         if name not in engine.logged:
             raise KeyError(
                 f"Checkpoint(save_best=True): no metric {name!r} in the evaluation results "
-                f"(got {sorted(engine.logged)}); set score_split / score_name"
+                f"(got {sorted(engine.logged)}); set monitor='split.name'"
             )
         score = float(engine.logged[name])
         best = self.best_score
@@ -361,7 +434,7 @@ class Checkpoint(Callback):
         with engine.long_operation("checkpoint save"):
             try:
                 # Decided at each save: under TorchFT the writing replica group can change.
-                full = self.store.all_ranks_write or backend.writes_checkpoint
+                full = backend.writes_checkpoint
                 if fresh or links:
                     payload = build_payload(engine) if fresh else None
                     job = Job(payload, "latest" if fresh else None, links, state.step, state.epoch, reason, full=full)
@@ -373,9 +446,17 @@ class Checkpoint(Callback):
                 error = exc
             if self._writer is None and backend.world_size > 1:
                 backend.barrier(self.config.barrier_timeout)  # the others wait for the main process
-                status = backend.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+                status = None if error is None else f"{type(error).__name__}: {error}"
+                if self._collective:  # every rank wrote: any of them may have failed
+                    failed = [(r, s) for r, s in enumerate(backend.all_gather_object(status, domain="optimizer")) if s]
+                    status = f"rank {failed[0][0]}: {failed[0][1]}" if failed else None
+                else:
+                    status = backend.broadcast_object(status)
                 if status is not None and error is None:
-                    error = CheckpointError(f"the main process failed to save: {status}", step=state.step)
+                    who = "a rank" if self._collective else "the main process"
+                    error = CheckpointError(
+                        f"{who} failed to save: {status}", path=self.store.directory, step=state.step
+                    )
         if error is not None:
             raise error
         self._last_key = key
@@ -394,16 +475,26 @@ class Checkpoint(Callback):
                 done.append(job)
 
     def _commit(self, job: Job) -> None:
-        """Write and name one job (in the loop, or in the writer thread)."""
+        """Write and name one job (in the loop, or in the writer thread); store errors become `CheckpointError`.
+
+        A collective store's `write` runs on every rank; naming and retention
+        on the main rank, then every rank waits at the store's barrier.
+        """
         store = self.store
         if not job.full:  # another replica group writes the checkpoint: only this group's data state
             if job.payload is not None and job.primary == "latest":
-                store.write_replica(job.primary, job.payload)
+                with store_errors("saving this replica group's data state", store.path("replicas"), job.step):
+                    store.write_replica(job.primary, job.payload)
             return
-        if job.payload is not None and job.primary is not None:
-            store.write(job.primary, job.payload)
+        with store_errors(f"saving {list(job.names)}", store.path(job.names[0] if job.names else "latest"), job.step):
+            if job.payload is not None and job.primary is not None:
+                store.write(job.primary, job.payload)
+            if job.links:
+                self._main_only(lambda: self._name(job))
+
+    def _name(self, job: Job) -> None:
         for name in job.links:
-            store.link("latest", name)
+            self.store.link("latest", name)
         if any(name.startswith("ckpt-") for name in job.links):
             self._prune()
 

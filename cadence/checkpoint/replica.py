@@ -62,7 +62,7 @@ class ReplicaStore(CheckpointStore):
     def __init__(self, inner: CheckpointStore, replica_id: int, group_size: int) -> None:
         super().__init__(inner.directory)
         self.inner, self.replica_id, self.group_size = inner, replica_id, group_size
-        self.all_ranks_write = inner.all_ranks_write  # type: ignore[misc]
+        self.collective = inner.collective  # type: ignore[misc]
 
     def at(self, directory: Any) -> ReplicaStore:
         other = copy.copy(self)
@@ -101,6 +101,9 @@ class ReplicaStore(CheckpointStore):
 
     def wait(self) -> None:
         self.inner.wait()
+
+    def barrier(self) -> None:
+        self.inner.barrier()
 
     def sweep(self) -> list[str]:
         """Leftovers of this group's own interrupted data-state writes.

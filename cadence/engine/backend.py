@@ -127,14 +127,16 @@ class Backend:
 
     @property
     def writes_checkpoint(self) -> bool:
-        """Whether this rank writes the run's checkpoint at this save; asked at every save.
+        """Whether this rank's replica group writes the run's checkpoint at this save; asked at every save.
 
-        The main process by default. Under TorchFT the writer is the main process
-        of the replica group that is participating rank 0 in the last quorum, so
-        it can change during a run; the other groups' main processes write only
-        their own data state (`CheckpointStore.write_replica`).
+        True without replica groups (the main process then writes with a file
+        store, every rank with a collective store). Under TorchFT only the
+        replica group that is participating rank 0 in the last quorum writes,
+        so the writer can change during a run; the other groups write only
+        their own data state (`CheckpointStore.write_replica`). Every rank of a
+        group must give the same answer.
         """
-        return self.is_main
+        return True
 
     # -- lifecycle --------------------------------------------------------
 
@@ -308,7 +310,7 @@ class Backend:
         return _NULL
 
     def data_shard(self, split: str) -> tuple[int, int]:
-        """`(rank, size)` that shards the data of `split` ("train", "eval", "predict").
+        """`(rank, size)` that shards the data of `split` ("train", an evaluation split such as "val", "predict").
 
         `(data_rank, data_size)` for every split by default. Under TorchFT the
         training data is sharded over every replica group while evaluation and

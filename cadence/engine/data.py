@@ -104,9 +104,10 @@ class DataSource:
                 dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed, drop_last=config.drop_last
             )
             kwargs["sampler"] = self.sampler
-        elif not iterable and size > 1:
+        elif not iterable and (size > 1 or shuffle):
             # Evaluation and prediction see every sample exactly once: padding
-            # would count repeated samples in the "exact" global mean.
+            # would count repeated samples in the "exact" global mean. Shuffled
+            # on one rank too, so the order is known (gathered predictions).
             self.sampler = ExactShardSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed)
             _check_every_rank_has_a_batch(self.split, len(dataset), size, config)
             kwargs["sampler"] = self.sampler
@@ -216,6 +217,20 @@ class DataSource:
             getattr(self.loader, "load_state_dict", None)
         )
 
+    def sample_indices(self) -> list[int] | None:
+        """The dataset indices this rank's loader yields this epoch, in order; None when unknown.
+
+        Known for evaluation and prediction `Dataset`s the engine built a
+        loader for (an `ExactShardSampler` share when sharded or shuffled):
+        `predict(gather=True)` and `PredictionWriter` put samples back in
+        dataset order with them. Call it after `epoch_iter`.
+        """
+        if isinstance(self.sampler, ExactShardSampler):
+            return self.sampler.indices()
+        if self.built and isinstance(getattr(self.loader, "sampler", None), torch.utils.data.SequentialSampler):
+            return list(range(len(self.loader.sampler)))  # type: ignore[union-attr]
+        return None
+
     def state_dict(self) -> dict[str, Any] | None:
         return self.loader.state_dict() if self.stateful() else None  # type: ignore[union-attr]
 
@@ -306,13 +321,17 @@ class ExactShardSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return len(range(self.rank, self.dataset_size, self.num_replicas))
 
-    def __iter__(self) -> Iterator[int]:
+    def indices(self) -> list[int]:
+        """This rank's dataset indices for the current epoch, in the order `__iter__` yields them."""
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.dataset_size, generator=generator).tolist()
         else:
             order = list(range(self.dataset_size))
-        mine = order[self.rank :: self.num_replicas]
+        return order[self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        mine = self.indices()
         self.yielded, self.next_yielded = self.next_yielded or 0, None
         for index in mine[self.yielded :]:
             self.yielded += 1

@@ -19,6 +19,7 @@ from cadence.engine.backend import NULL_CONTEXT, Backend, batch_size, restore_tr
 from cadence.engine.bus import EventBus, Handle
 from cadence.engine.control import Requests
 from cadence.engine.data import DataConfig, DataSource
+from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gather_outputs, scalar
 from cadence.engine.events import Event
 from cadence.engine.feed import TrainFeed
 from cadence.engine.metrics import MetricStore, Reduction
@@ -32,6 +33,24 @@ _ON_STEP_START, _ON_STEP_END = Event.ON_STEP_START, Event.ON_STEP_END
 _ON_BEFORE_OPTIMIZER_STEP, _ON_OPTIMIZER_STEP = Event.ON_BEFORE_OPTIMIZER_STEP, Event.ON_OPTIMIZER_STEP
 _ON_BATCH, _ON_FORWARD, _ON_BACKWARD = Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD
 _ON_SAVE_POINT = Event.ON_SAVE_POINT
+
+
+_optional_ge0 = attrs.validators.optional(attrs.validators.ge(0))
+
+
+@attrs.define(kw_only=True)
+class EvalSetConfig:
+    """One evaluation set's schedule and loader settings (`EngineConfig.eval_sets[split]`).
+
+    Attributes:
+        every_epochs: evaluate this set after every N epochs; None: as `eval_every_epochs`; 0: never.
+        every_steps: evaluate this set after every N steps; None: as `eval_every_steps`; 0: never.
+        data: loader settings when this set is a Dataset; None: the engine's `eval` settings.
+    """
+
+    every_epochs: int | None = attrs.field(default=None, validator=_optional_ge0)
+    every_steps: int | None = attrs.field(default=None, validator=_optional_ge0)
+    data: DataConfig | None = None
 
 
 @attrs.define(kw_only=True)
@@ -57,6 +76,8 @@ class EngineConfig:
         train: loader settings for training data given as a Dataset.
         eval: loader settings for evaluation data given as a Dataset.
         predict: loader settings for prediction data given as a Dataset.
+        eval_sets: per evaluation set (by split name, as in `eval_data={"val": ..., "test": ...}`),
+            its own schedule and loader settings; a set not listed follows `eval_every_*` and `eval`.
     """
 
     steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
@@ -81,6 +102,7 @@ class EngineConfig:
     train: DataConfig = attrs.field(factory=DataConfig)
     eval: DataConfig = attrs.field(factory=DataConfig)
     predict: DataConfig = attrs.field(factory=DataConfig)
+    eval_sets: dict[str, EvalSetConfig] = attrs.field(factory=dict)
 
 
 StepFn = Callable[[torch.nn.Module, Any], Any]
@@ -100,11 +122,27 @@ class Engine:
             `loss_fn` or `step_fn`, `model(batch)` must return the loss (or a
             mapping / object with a `loss`).
         eval_fn: `eval_fn(model, batch)` returning a mapping of per-batch mean
-            metrics; the default is the training loss. Evaluation reduces them
-            exactly (weighted by batch size) across ranks.
+            metrics, or `(mapping, outputs)` where `outputs` feed `metrics`;
+            the default is the training loss (and the model's outputs).
+            Evaluation reduces the means exactly (weighted by batch size) across ranks.
         scheduler: an LR scheduler stepped every optimizer step (register
             `cadence.callbacks.LRScheduler` yourself for other intervals).
-        eval_data, predict_data: like `train_data`.
+        eval_data: like `train_data` (the `val` split), or a mapping of split
+            names to data (`{"val": ..., "test": ...}`): each set is evaluated
+            on its schedule (`EngineConfig.eval_sets`) and logged under its
+            split (`val.loss`, `test.loss`).
+        predict_data: like `train_data`.
+        metrics: metric objects updated on every evaluation batch and computed
+            once per evaluation over every rank's samples, exactly (see
+            docs/metrics.md): a `cadence.metrics.Metric`, a torchmetrics
+            `Metric` or `MetricCollection`, or a mapping of names to them;
+            logged as `split.name`, reset for every evaluation.
+        train_metrics: the same for training: updated on every micro-batch,
+            computed and reset at every log interval, logged by name (through a
+            `MetricUpdates` callback that the engine registers).
+        metric_inputs: `metric_inputs(outputs, batch)` gives what a metric's
+            `update` receives: a tuple of arguments or a mapping of keywords;
+            default `(outputs, targets)` of `(inputs, targets)` batches.
         callbacks: callback instances, registered in this order.
         backend: a `Backend` instance or a name (`"auto"`, `"local"`, `"ddp"`, ...).
         config: an `EngineConfig` or a mapping structured into one.
@@ -131,10 +169,13 @@ class Engine:
         *,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         step_fn: StepFn | None = None,
-        eval_fn: Callable[[torch.nn.Module, Any], Mapping[str, Any]] | None = None,
+        eval_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
         scheduler: Any = None,
         eval_data: Any = None,
         predict_data: Any = None,
+        metrics: Any = None,
+        train_metrics: Any = None,
+        metric_inputs: MetricInputs | None = None,
         callbacks: Iterable[Any] = (),
         backend: Backend | str | None = None,
         config: EngineConfig | Mapping[str, Any] | None = None,
@@ -157,6 +198,19 @@ class Engine:
         self.metrics = MetricStore()
         self.logged: dict[str, float] = {}
         self.eval_results: dict[str, dict[str, float]] = {}
+        #: Each split's metric values as computed (tensors of any shape: a confusion matrix), by `split.name`.
+        self.metric_values: dict[str, dict[str, Any]] = {}
+        #: During predict(): the dataset indices of the samples in `engine.batch` (None when unknown).
+        self.batch_indices: list[int] | None = None
+        self.eval_metrics = MetricSet(metrics, metric_inputs) if metrics is not None else None
+        eval_sets = _eval_sets(eval_data)  # checked before any process group starts
+        unknown = sorted(set(self.config.eval_sets) - set(eval_sets))
+        if unknown:
+            raise ValueError(
+                f"config eval_sets.{unknown[0]}: eval_data has no split {unknown[0]!r} (it has {sorted(eval_sets)}); "
+                "name the sets alike in eval_data={...} and the config"
+            )
+        self._metric_inputs_given = metric_inputs is not None
         self.batch: Any = None
         self.outputs: Any = None
         self.batch_metrics: Mapping[str, Any] = {}
@@ -186,16 +240,25 @@ class Engine:
             self.config = attrs.evolve(self.config, seed=seed)
         self.seed: int = self.config.seed  # type: ignore[assignment]
         seed_everything(self.seed + self.backend.rank)
+        if self.eval_metrics is not None:
+            self.eval_metrics.bind(self.backend)
+        #: The evaluation sets' split names, in the order they are evaluated.
+        self.eval_splits: tuple[str, ...] = ()
         self.data: dict[str, DataSource] = {}
         for split, data, data_config in (
             ("train", train_data, self.config.train),
-            ("eval", eval_data, self.config.eval),
             ("predict", predict_data, self.config.predict),
         ):
             if data is not None:
                 self.data[split] = self._data_source(data, data_config, split)
+        for split, data in eval_sets.items():
+            self.data[split] = self._data_source(data, self._eval_loader_config(split), split)
+        self.eval_splits = tuple(eval_sets)
         for callback in callbacks:
             self.add_callback(callback)
+        if train_metrics is not None:
+            updates = registry.callbacks.resolve("metric_updates")
+            self.add_callback(updates(train_metrics, inputs=metric_inputs))
         # An LRScheduler() the user registered already steps engine.schedulers.
         if self.schedulers and not any(getattr(c, "steps_engine_schedulers", False) for c in self.callbacks):
             self.add_callback(registry.callbacks.resolve("lr_scheduler")())
@@ -332,7 +395,9 @@ class Engine:
         # one listened to costs one call, plus one per hook.
         hooks, fires, agreed = self.hooks_table, self._bus.fires, requests.agreed
         skip, stop = requests.index["skip"], requests.index["stop"]
-        log_interval, eval_every = self.config.log_interval, self.config.eval_every_steps
+        log_interval = self.config.log_interval
+        eval_steps = self._eval_schedule("steps")  # ((split, every), ...) evaluated mid-epoch
+        eval_every = math.gcd(*(every for _, every in eval_steps)) if eval_steps else 0  # a step worth a look
         plan = self.backend.step_plan(self)  # what to call per step; None: nothing (or the plain thing inline)
         schedule, to_device, sync, backward = plan.schedule, plan.to_device, plan.gradient_sync, plan.backward
         finish, agree = plan.finish_gradients, plan.agree
@@ -396,8 +461,8 @@ class Engine:
                 hooks[_ON_STEP_END] and fires[_ON_STEP_END](self)
                 if state.step % log_interval == 0:
                     self._log_metrics()
-                if eval_every and state.step % eval_every == 0 and "eval" in self.data:
-                    self.evaluate()
+                if eval_every and state.step % eval_every == 0:
+                    self._evaluate_due(eval_steps, state.step)
                 hooks[_ON_SAVE_POINT] and fires[_ON_SAVE_POINT](self)  # checkpoint, preemption
                 if agreed[stop] or state.step >= stop_step:
                     break
@@ -422,9 +487,7 @@ class Engine:
     def _end_epoch(self) -> None:
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
-        every = self.config.eval_every_epochs
-        if every and self.state.epoch % every == 0 and "eval" in self.data:
-            self.evaluate()
+        self._evaluate_due(self._eval_schedule("epochs"), self.state.epoch)
         self.fire(Event.ON_EPOCH_END)
         # Requests raised at epoch end (early stopping after evaluation) are
         # agreed here so the stop happens before another epoch starts.
@@ -438,35 +501,89 @@ class Engine:
         # a checkpoint holds the state an uninterrupted run goes on from.
         self.fire(Event.ON_SAVE_POINT)
 
+    def _eval_schedule(self, unit: Literal["steps", "epochs"]) -> tuple[tuple[str, int], ...]:
+        """(split, every) of the sets evaluated every N steps or epochs."""
+        default = self.config.eval_every_steps if unit == "steps" else self.config.eval_every_epochs
+        schedule = []
+        for split in self.eval_splits:
+            own = self.config.eval_sets.get(split)
+            every = getattr(own, f"every_{unit}") if own is not None else None
+            every = default if every is None else every
+            if every:
+                schedule.append((split, every))
+        return tuple(schedule)
+
+    def _evaluate_due(self, schedule: tuple[tuple[str, int], ...], count: int) -> None:
+        for split, every in schedule:
+            if count % every == 0:
+                self.evaluate(split=split)
+
+    def _eval_loader_config(self, split: str) -> DataConfig:
+        own = self.config.eval_sets.get(split)
+        return own.data if own is not None and own.data is not None else self.config.eval
+
     def _log_metrics(self) -> None:
         self.metrics.collect()  # values callbacks aggregate themselves (TrainMetrics)
         if self.metrics:
             self.logged = self.metrics.compute(self.backend)
             self.fire(Event.ON_LOG)
 
-    def evaluate(self, data: Any = None, split: str = "val") -> dict[str, float]:
-        """Evaluate on `data` (default: the engine's eval data); returns `{split.name: value}`.
+    def evaluate(self, data: Any = None, split: str | None = None) -> dict[str, float]:
+        """Evaluate on `data` or an evaluation set; returns `{split.name: value}`.
 
-        Metrics from `eval_fn` (default: the loss) and from `engine.log` calls
-        made during evaluation are reduced exactly across ranks: the sum of
-        value x batch size over the sum of batch sizes, not a mean of means.
+        Without arguments every evaluation set is evaluated in turn (each fires
+        its own events and `on_log`); `split=` picks one set, or names the
+        results of `data` (default `val`) or of the only set. Metrics from `eval_fn` (default: the
+        loss) and from `engine.log` calls made during evaluation are reduced
+        exactly across ranks: the sum of value x batch size over the sum of
+        batch sizes, not a mean of means. The `metrics` objects are reset,
+        updated on every batch and computed once over every rank's samples;
+        their scalar values join the results, and every value, whatever its
+        shape, is kept in `engine.metric_values[split]`.
         """
-        source = self._source(data, "eval")
+        if data is None and split is None:
+            if not self.eval_splits:
+                raise ValueError("no eval data: pass eval_data to Engine(...) or data to this call")
+            results: dict[str, float] = {}
+            for each in self.eval_splits:
+                results.update(self.evaluate(split=each))
+            return results
+        split = _split_name("val" if split is None else split)
+        source = self._eval_source(data, split)
+        metrics = self.eval_metrics
         with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
+            where = f"while evaluating split {split!r} at step {self.state.step}"
             store = MetricStore()
             self._active_metrics, self._metric_prefix = store, f"{split}."
             try:
+                if metrics is not None:
+                    metrics.reset()  # what a previous evaluation or a failed one left
                 self.fire(Event.ON_EVAL_START)
                 for batch in source.epoch_iter(0, fresh=True):
                     self.batch = self._place(batch)
                     with self.backend.autocast():
-                        metrics = self._eval_metrics(self.batch)
+                        means, outputs = self._eval_step(self.batch)
+                    if metrics is not None:
+                        self._update_metrics(metrics, outputs, where)
                     weight = float(batch_size(self.batch))
-                    for name, value in metrics.items():
+                    for name, value in means.items():
                         store.log(f"{split}.{name}", value, "mean", weight)
-                    self.batch_metrics = metrics
+                    self.batch_metrics = means
                     self.fire(Event.ON_EVAL_BATCH)
                 results = store.compute(self.backend)
+                if metrics is not None:
+                    values = {f"{split}.{name}": value for name, value in metrics.compute(where).items()}
+                    metrics.reset()
+                    clash = sorted(set(values) & set(results))
+                    if clash:
+                        raise ValueError(
+                            f"{clash} are both metric objects and values logged by eval_fn or engine.log; rename one"
+                        )
+                    self.metric_values[split] = values
+                    for name, value in values.items():
+                        number = scalar(value)
+                        if number is not None:
+                            results[name] = number
             finally:
                 self._active_metrics, self._metric_prefix = self.metrics, ""
             self.eval_results[split] = results
@@ -475,21 +592,49 @@ class Engine:
             self.fire(Event.ON_EVAL_END)
         return results
 
-    def predict(self, data: Any = None) -> list[Any]:
-        """Run the model on every batch of `data` (default: predict data); returns the outputs."""
+    def _update_metrics(self, metrics: MetricSet, outputs: Any, where: str) -> None:
+        if outputs is None and not self._metric_inputs_given:
+            raise MetricError(
+                f"metrics need the model's outputs {where}, but eval_fn returned only a mapping of means; "
+                "have eval_fn return (mapping, outputs), or pass metric_inputs=fn(outputs, batch)"
+            )
+        metrics.update(outputs, self.batch, where)
+
+    def predict(self, data: Any = None, *, gather: bool = False) -> Any:
+        """Run the model on every batch of `data` (default: predict data).
+
+        Returns this rank's outputs, one per batch; with `gather=True`, every
+        data rank's outputs joined along the first dimension in dataset order
+        (each sample once: evaluation shards have no padding) on the main
+        process, and None on the others. Outputs are tensors or tuples, lists
+        and dicts of them. For outputs too big to gather, register
+        `cadence.callbacks.PredictionWriter`, which writes per-rank shards.
+        Dataset order needs the sample indices (`engine.batch_indices`): known
+        for Datasets the engine builds loaders for; for other data the shares
+        are joined in rank order.
+        """
         source = self._source(data, "predict")
         outputs: list[Any] = []
+        result: Any = outputs
         with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
             self.fire(Event.ON_PREDICT_START)
-            for batch in source.epoch_iter(0, fresh=True):
+            batches = source.epoch_iter(0, fresh=True)
+            indices, seen = source.sample_indices(), 0
+            for batch in batches:
                 self.batch = self._place(batch)
+                if indices is not None:
+                    count = batch_size(self.batch)
+                    self.batch_indices, seen = indices[seen : seen + count], seen + count
                 with self.backend.autocast():
                     inputs = self.batch[0] if isinstance(self.batch, (tuple, list)) else self.batch
                     self.outputs = self.wrapped_model(inputs)
                 self.fire(Event.ON_PREDICT_BATCH)
                 outputs.append(self.outputs)
+            self.batch_indices = None
+            if gather:
+                result = gather_outputs(self.backend, outputs, indices)
             self.fire(Event.ON_PREDICT_END)
-        return outputs
+        return result
 
     @contextlib.contextmanager
     def _run(self) -> Iterator[None]:
@@ -553,14 +698,22 @@ class Engine:
         outputs = model(batch)
         return outputs, _loss_of(outputs, "the model")
 
-    def _eval_metrics(self, batch: Any) -> Mapping[str, Any]:
+    def _eval_step(self, batch: Any) -> tuple[Mapping[str, Any], Any]:
+        """One evaluation batch: (per-batch means, outputs for the metric objects)."""
         if self.eval_fn is not None:
-            metrics = self.eval_fn(self.wrapped_model, batch)
-            if not isinstance(metrics, Mapping):
-                raise TypeError(f"eval_fn must return a mapping of metric name to value, got {type(metrics).__name__}")
-            return metrics
+            result = self.eval_fn(self.wrapped_model, batch)
+            outputs = None
+            if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Mapping):
+                result, outputs = result
+            if not isinstance(result, Mapping):
+                raise TypeError(
+                    "eval_fn must return a mapping of metric name to value, or (mapping, outputs); "
+                    f"got {type(result).__name__}"
+                )
+            self.outputs = outputs
+            return result, outputs
         self.outputs, loss = self.compute_loss(batch)
-        return {"loss": loss}
+        return {"loss": loss}, self.outputs
 
     # -- plumbing -------------------------------------------------------------
 
@@ -610,6 +763,17 @@ class Engine:
         if split not in self.data:
             raise ValueError(f"no {split} data: pass {split}_data to Engine(...) or data to this call")
         return self.data[split]
+
+    def _eval_source(self, data: Any, split: str) -> DataSource:
+        if data is not None:
+            return self._data_source(data, self._eval_loader_config(split), split)
+        if split in self.eval_splits:
+            return self.data[split]
+        if not self.eval_splits:
+            raise ValueError("no eval data: pass eval_data to Engine(...) or data to this call")
+        if len(self.eval_splits) == 1:  # the one set, its results named `split`
+            return self.data[self.eval_splits[0]]
+        raise ValueError(f"no evaluation set {split!r}: the engine has {list(self.eval_splits)}")
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *args: Any, strict: bool = True, **kwargs: Any) -> Engine:
@@ -673,6 +837,28 @@ def _make_backend(backend: Backend | str, config: EngineConfig) -> Backend:
         name = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "local"
     cls = registry.backends.resolve(name)
     return cls.from_engine_config(config) if hasattr(cls, "from_engine_config") else cls()
+
+
+def _split_name(split: Any) -> str:
+    if not isinstance(split, str) or not split or "." in split or split in ("train", "predict"):
+        raise ValueError(
+            f"evaluation split {split!r}: a split is a non-empty name without dots (metrics are named "
+            "'split.metric') other than 'train' and 'predict' (e.g. 'val', 'test', 'train_eval')"
+        )
+    return split
+
+
+def _eval_sets(eval_data: Any) -> dict[str, Any]:
+    """`{split: data}` from `eval_data`: data alone is the `val` split."""
+    if eval_data is None:
+        return {}
+    if isinstance(eval_data, Mapping):
+        sets = {_split_name(split): data for split, data in eval_data.items()}
+        missing = [split for split, data in sets.items() if data is None]
+        if missing:
+            raise ValueError(f"eval_data: no data for split(s) {missing}")
+        return sets
+    return {"val": eval_data}
 
 
 def _as_list(value: Any) -> list[Any]:

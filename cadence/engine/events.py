@@ -43,11 +43,11 @@ class Event(_StrEnum):
               zero grad; state.step += 1
               on_step_end                 scheduler, gc, heartbeat ...
               on_log                      every log_interval steps: metrics reduced
-              evaluate()                  every eval_every_steps, if configured
+              evaluate(split)             each evaluation set due (eval_every_steps / eval_sets)
               on_save_point               checkpoint, preemption: the step is complete,
                                           its evaluation included
             state.epoch += 1              the epoch's data ran out
-            evaluate()                    every eval_every_epochs, if configured
+            evaluate(split)               each evaluation set due (eval_every_epochs / eval_sets)
             on_epoch_end
             agree control requests        so a stop raised at epoch end holds everywhere
             on_save_point                 the epoch is complete, its evaluation included
@@ -56,8 +56,9 @@ class Event(_StrEnum):
         always, when a run (fit/evaluate/predict) raised: on_exception
         always, at the end of a run: on_teardown
 
-        evaluate(): on_eval_start, on_eval_batch per batch, metrics reduced,
-                    on_log, on_eval_end
+        evaluate(): per set: on_eval_start, on_eval_batch per batch (metric
+                    objects updated before it), metrics reduced and metric
+                    objects synchronized and computed, on_log, on_eval_end
         predict():  on_predict_start, on_predict_batch per batch, on_predict_end
         a checkpoint was committed: on_save
     """

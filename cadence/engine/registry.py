@@ -104,6 +104,8 @@ callbacks = Registry(
         "jsonl": "cadence.callbacks.jsonl:JSONL",
         "text_log": "cadence.callbacks.text_log:TextLog",
         "profiler": "cadence.callbacks.profiler:Profiler",
+        "metric_updates": "cadence.callbacks.metric_updates:MetricUpdates",
+        "prediction_writer": "cadence.callbacks.prediction_writer:PredictionWriter",
     },
 )
 

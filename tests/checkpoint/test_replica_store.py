@@ -93,6 +93,6 @@ def test_a_group_without_a_data_state_replays_its_share_to_the_checkpoint_s_batc
     with engine_on(ReplicaGroup(replica_id=1, writes_at=()), tmp_path, auto_resume=True) as engine:
         engine.evaluate()
         assert (engine.state.step, engine.state.batch_in_epoch) == (3, 3)
-        assert engine.backend.data_shard("eval") == (0, 1)
-        assert len(engine.data["eval"]) == 5  # evaluation inside the group: the whole set (40 / 8)
+        assert engine.backend.data_shard("val") == (0, 1)
+        assert len(engine.data[engine.eval_splits[0]]) == 5  # evaluation inside the group: the whole set (40 / 8)
         assert len(engine.data["train"]) == 12  # training: this group's half (48 / 4)

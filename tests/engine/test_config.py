@@ -28,7 +28,7 @@ from cadence.engine.config import (
 )
 from cadence.engine.config_cli import build, field_help, parse_cli, parse_overrides
 from cadence.engine.data import DataConfig
-from cadence.engine.engine import EngineConfig
+from cadence.engine.engine import EngineConfig, EvalSetConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -583,6 +583,16 @@ ENGINE_FIELDS = {
     "train": data_configs,
     "eval": data_configs,
     "predict": data_configs,
+    "eval_sets": st.dictionaries(
+        st.sampled_from(["val", "test", "holdout"]),
+        st.builds(
+            EvalSetConfig,
+            every_epochs=st.none() | natural,
+            every_steps=st.none() | natural,
+            data=st.none() | data_configs,
+        ),
+        max_size=2,
+    ),
 }
 engine_configs = st.builds(EngineConfig, **ENGINE_FIELDS)
 

@@ -135,7 +135,7 @@ def _evaluate_on_two_ranks():
         backend=DDPBackend(timeout=20), seed=0,  # a hung collective fails in 20 s
         train={"batch_size": BATCH}, eval={"batch_size": BATCH}, predict={"batch_size": BATCH},
     ) as engine:  # fmt: skip
-        batches = len(engine.data["eval"])
+        batches = len(engine.data["val"])
         results = [engine.evaluate()["val.loss"]]
         expected = [exact_mean_loss(model, dataset)]
         engine.fit(steps=2)  # a training forward in between re-arms DDP's buffer sync

@@ -24,6 +24,13 @@ def _scheduler(context):
     return LRScheduler(torch.optim.lr_scheduler.StepLR(context.optimizer, step_size=1, gamma=0.9))
 
 
+def _metric_updates(context):
+    from cadence.callbacks import MetricUpdates
+    from cadence.metrics import Mean
+
+    return MetricUpdates({"output": Mean()}, inputs=lambda outputs, batch: (outputs,))
+
+
 # Each built-in as a config entry (built through the registry, as a config file
 # would) or a factory when it needs objects. Small intervals so that every hook runs.
 BUILTINS = {
@@ -43,6 +50,8 @@ BUILTINS = {
     "jsonl": {"name": "jsonl"},
     "text_log": {"name": "text_log"},
     "profiler": {"name": "profiler"},
+    "metric_updates": _metric_updates,
+    "prediction_writer": {"name": "prediction_writer", "batches_per_file": 2},
 }
 
 
