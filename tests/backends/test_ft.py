@@ -278,7 +278,11 @@ def test_ddp_replica_killed_and_restarted_heals_while_the_survivor_goes_on(tmp_p
     try:
         with local_lighthouse(min_replicas=1, heartbeat_timeout_ms=1000) as address:
             survivor = Replica(tmp_path, "survivor", lighthouse=address, replica_id=0, **common)
-            victim = Replica(tmp_path, "victim", lighthouse=address, replica_id=1, kill_after=5, **common)
+            # It joins once the survivor trains (under load the survivor's process may start last).
+            after = [{"file": str(survivor.out), "steps": 1}]
+            victim = Replica(
+                tmp_path, "victim", lighthouse=address, replica_id=1, kill_after=5, start_after=after, **common
+            )
             started += [survivor, victim]
             assert victim.wait(timeout=120) == -signal.SIGKILL, victim.tail()
             killed_at = max(line["step"] for line in victim.steps())
