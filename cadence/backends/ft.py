@@ -170,6 +170,31 @@ def unsupported(what: str, reason: str) -> ValueError:
     return ValueError(f"ft (TorchFT fault tolerance) with {what} is not supported: {reason}")
 
 
+#: Mesh axes a replica group cannot have under ft: TorchFT replicates whole groups and all-reduces gradients
+#: across them; only the data axes (replicate, shard: FSDP2/HSDP inside a group) fit that.
+UNSUPPORTED_AXES = ("tensor", "pipeline", "context", "expert")
+
+
+def check_mesh_axes(axes: Mapping[str, int]) -> None:
+    """Raise for mesh axes `ft` cannot run with (for the mesh backend's setup, before any lighthouse is contacted)."""
+    bad = {name: size for name, size in axes.items() if name in UNSUPPORTED_AXES and size > 1}
+    if bad:
+        raise unsupported(
+            f"the mesh axes {bad}",
+            "a replica group under TorchFT may only shard or replicate its data (replicate, shard axes: FSDP2/HSDP "
+            "inside the group); drop ft, or set these axes to 1",
+        )
+
+
+def check_deepspeed() -> None:
+    """The error for DeepSpeed with `ft` (for the DeepSpeed backend's setup, before any lighthouse is contacted)."""
+    raise unsupported(
+        "the deepspeed backend",
+        "DeepSpeed runs its own gradient all-reduce and optimizer step, which TorchFT can neither route across "
+        "replica groups nor gate on a commit; use the ddp backend with ft",
+    )
+
+
 def _import_torchft() -> Any:
     try:
         import torchft
