@@ -126,6 +126,14 @@ class Checkpoint(Callback):
         self.last_saved: SavedCheckpoint | None = None
         self._writer: AsyncWriter | None = None
         self._writes = False
+        # A collective store (DCP): every rank writes and reads; names, retention and sweeping
+        # are the main rank's, then a barrier. One that stages itself saves asynchronously
+        # through `store.write_async` instead of the AsyncWriter.
+        self._collective = False
+        self._is_main = True
+        self._world_size = 1
+        self._store_async = False
+        self._handles: list[tuple[Any, Job]] = []
         self._fitting = False
         self._last_key: tuple[int, int, int] | None = None
         self._step_interval = 0
@@ -147,12 +155,21 @@ class Checkpoint(Callback):
 
     def _bind(self, engine: Engine) -> None:
         directory = Path(self.config.dir) if self.config.dir else engine.run_dir / "checkpoints"
-        self.store = engine.backend.checkpoint_store(engine).at(directory)
-        self._writes = self.store.all_ranks_write or engine.backend.is_main
-        if self._writes:
+        backend = engine.backend
+        self.store = backend.checkpoint_store(engine).at(directory)
+        self._collective = bool(getattr(self.store, "collective", False))
+        self._is_main, self._world_size = backend.is_main, backend.world_size
+        self._writes = self.store.all_ranks_write or self._collective or backend.is_main
+        if self._writes and (backend.is_main or not self._collective):
             removed = self.store.sweep()
             if removed:
                 logger.info("checkpoint: removed leftovers of interrupted writes in %s: %s", directory, removed)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        """After main-only calls of a collective store: every rank waits (on the store's own group)."""
+        if self._collective and self._world_size > 1:
+            self.store.barrier()  # type: ignore[attr-defined]
 
     def on_setup(self, engine: Engine) -> None:
         self._bind(engine)
@@ -176,7 +193,10 @@ class Checkpoint(Callback):
         if backend.is_main:
             for name in self._candidates():
                 try:
-                    payload = store.read(name)
+                    if self._collective:  # its read needs every rank: the main rank checks files only
+                        store.verify(name)
+                    else:
+                        payload = store.read(name)
                 except CheckpointError as exc:
                     problems.append(str(exc))
                     continue
@@ -260,7 +280,8 @@ class Checkpoint(Callback):
         self._epoch_interval = interval if unit == "epoch" else 0
         self._save_slot = engine.requests.index["save"]
         self._preempt_slot = engine.requests.index.get("preempt")
-        if config.async_mode == "async" and self._writes:
+        self._store_async = config.async_mode == "async" and bool(getattr(self.store, "stages_itself", False))
+        if config.async_mode == "async" and self._writes and not self._store_async:
             if self._writer is None:
                 self._writer = AsyncWriter(self._commit)
             self._writer.start()
@@ -269,6 +290,8 @@ class Checkpoint(Callback):
         writer = self._writer
         if writer is not None and (writer.done or writer.error is not None):
             self._collect(engine)
+        if self._handles and self._handles[0][0].done():
+            self._collect_handles(engine)
         agreed = engine.requests.agreed
         forced = agreed[self._save_slot]
         slot = self._preempt_slot
@@ -331,10 +354,22 @@ class Checkpoint(Callback):
                     "checkpoint may be missing",
                     self.config.drain_timeout,
                 )
+        if self._handles:
+            for handle, _ in self._handles:
+                if not handle.wait(self.config.drain_timeout):
+                    drained = False
+                    logger.error(
+                        "checkpoint: background save of %r still running after %.0f s (drain_timeout)",
+                        handle.name,
+                        self.config.drain_timeout,
+                    )
+                    break
         if drained and self.store is not None:
             self.store.wait()  # superseded checkpoints are removed in the background
         if writer is not None:
             self._collect(engine, raise_errors=engine.exception is None)
+        if self._handles and drained:
+            self._collect_handles(engine, raise_errors=engine.exception is None)
 
     def save(self, engine: Engine, reason: str = "manual") -> None:
         """Save `latest` now (under DDP every rank must call it); in async mode, returns once staged."""
@@ -344,6 +379,8 @@ class Checkpoint(Callback):
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background writes to be committed; False on timeout (sync mode: True)."""
+        if self._handles:
+            return all(handle.wait(timeout) for handle, _ in self._handles)
         return self._writer.drain(timeout) if self._writer is not None else True
 
     # -- saving ---------------------------------------------------------------------------
@@ -370,7 +407,7 @@ class Checkpoint(Callback):
                         self._dispatch(Job(build_payload(engine), "best", (), state.step, state.epoch, reason), done)
             except Exception as exc:
                 error = exc
-            if self._writer is None and backend.world_size > 1:
+            if self._writer is None and not self._store_async and backend.world_size > 1:
                 backend.barrier(self.config.barrier_timeout)  # the others wait for the main process
                 status = backend.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
                 if status is not None and error is None:
@@ -383,7 +420,9 @@ class Checkpoint(Callback):
 
     def _dispatch(self, job: Job, done: list[Job]) -> None:
         """Hand a job to the background writer, or commit it now (sync mode, writing ranks only)."""
-        if self._writer is not None:
+        if self._store_async:
+            self._submit_to_store(job, done)
+        elif self._writer is not None:
             self._writer.submit(job)
         elif self._writes:
             self._commit(job)
@@ -394,10 +433,57 @@ class Checkpoint(Callback):
         store = self.store
         if job.payload is not None and job.primary is not None:
             store.write(job.primary, job.payload)
+        if not self._collective:
+            self._name(job)
+            return
+        error: Exception | None = None
+        if self._is_main:
+            try:
+                self._name(job)
+            except Exception as exc:  # the other ranks still get to the barrier; _save tells them
+                error = exc
+        if job.links:
+            self._barrier()
+        if error is not None:
+            raise error
+
+    def _name(self, job: Job) -> None:
+        """Give the state just committed as `latest` the job's other names; prune history."""
         for name in job.links:
-            store.link("latest", name)
+            self.store.link("latest", name)
         if any(name.startswith("ckpt-") for name in job.links):
             self._prune()
+
+    def _submit_to_store(self, job: Job, done: list[Job]) -> None:
+        """Async mode with a store that stages itself (DCP): every rank calls `write_async` in the loop.
+
+        The store waits for its previous save before staging the next one, on
+        every rank (no save is dropped, so every rank enters the same
+        collectives); the main rank names the checkpoint right after its
+        commit, before the next one can commit.
+        """
+        if job.payload is None:  # only new names for the state last saved: after its commit
+            for handle, _ in self._handles:
+                handle.wait()
+            self._commit(job)
+            done.append(job)
+            return
+        after = (lambda manifest: self._name(job)) if job.links else None
+        handle = self.store.write_async(job.primary, job.payload, after_commit=after)  # type: ignore[attr-defined]
+        self._handles.append((handle, job))
+
+    def _collect_handles(self, engine: Engine, raise_errors: bool = True) -> None:
+        """Fire on_save for the store's committed async saves, in order; raise the first error."""
+        while self._handles and self._handles[0][0].done():
+            handle, job = self._handles.pop(0)
+            error = handle.exception()
+            if error is None:
+                self._committed(engine, job)
+                continue
+            if not raise_errors:
+                logger.error("%s", error)
+                continue
+            raise error
 
     def _prune(self) -> None:
         keep = self.config.keep_latest_k
