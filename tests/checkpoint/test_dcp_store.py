@@ -335,13 +335,13 @@ def test_sigkill_during_dcp_saves_never_leaves_a_partial_checkpoint(tmp_path: Pa
         process.start()
         while not marker.exists() and process.is_alive() and time.perf_counter() - t0 < 60:
             time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 0.6))  # lands in steps, staging, DCP writes, manifests, renames
+        time.sleep(rng.uniform(0.2, 3.0))  # lands in setup, steps, staging, DCP writes, manifests, renames
         os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks at once, as a lost node
         process.join(10)
         assert process.exitcode == -signal.SIGKILL, "the save loop ended on its own"
         step = check_after_kill(directory, shapes)
         if step is not None:
             steps.append(step)
-    assert len(steps) > KILLS // 2, "too few kills landed after the first commit"
+    assert len(steps) > KILLS // 3, "too few kills landed after the first commit"
     assert steps == sorted(steps), "auto_resume went back in time"
     print(f"{async_mode}: {KILLS} kills in {time.perf_counter() - started:.1f} s, latest at step {steps[-1]}")
