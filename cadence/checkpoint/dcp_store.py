@@ -180,9 +180,9 @@ class DCPStore(CheckpointStore):
         timeout: seconds the store's collectives wait for the other ranks.
 
     Example:
-        >>> store = DCPStore.for_engine(engine).at("/tmp/ckpts")     # doctest: +SKIP
-        >>> store.write("latest", build_payload(engine))             # doctest: +SKIP  (every rank)
-        >>> payload = store.read("latest")                           # doctest: +SKIP  (every rank)
+        >>> store = DCPStore.for_engine(engine).at("/tmp/ckpts")  # doctest: +SKIP
+        >>> store.write("latest", build_payload(engine))  # every rank  # doctest: +SKIP
+        >>> payload = store.read("latest")  # every rank  # doctest: +SKIP
     """
 
     collective: ClassVar[bool] = True

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import cadence
-from cadence.backends.ddp import DDPBackend
 from cadence.checkpoint.dcp_store import DCPStore
 from cadence.checkpoint.store import FORMAT, CheckpointError
 from tests.callbacks import checkpoint_workers
@@ -219,11 +218,6 @@ def test_async_write_commits_in_order_and_names_after_each_commit(tmp_path: Path
     assert named == [(1, 1), (2, 2), (3, 3)]  # each name given before the next commit
     for s in (1, 2, 3):
         equal(payload(step=s, seed=s)["model"], store.read(f"ckpt-s{s:012d}")["model"])
-
-
-def test_ddp_rejects_an_unknown_checkpoint_format() -> None:
-    with pytest.raises(ValueError, match=r"checkpoint='zip'.*'file' or 'dcp'"):
-        DDPBackend(checkpoint="zip")
 
 
 # -- resharding (FSDP2 at the store level, forked gloo ranks) ----------------------------------------
