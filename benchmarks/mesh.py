@@ -179,7 +179,9 @@ def dcp(args: argparse.Namespace) -> None:
         f"{_spread(save_ratios):24} >= 0.90 of dd"
     )
     print(f"{'dd conv=fdatasync':28} {statistics.median(dds):9.3f} {rate(statistics.median(dds)):6.2f}")
-    print(f"{'async save, loop blocked':28} {statistics.median(blocked):9.3f} {'':6}   {_spread(async_ratios):24} <= 0.20")
+    print(
+        f"{'async save, loop blocked':28} {statistics.median(blocked):9.3f} {'':6}   {_spread(async_ratios):24} <= 0.20"
+    )
     print("all runs (s):", {k: [round(x, 3) for x in result[k]] for k in ("save", "dd", "async")})
 
 
