@@ -58,7 +58,7 @@ def split(payload: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.T
         if isinstance(obj, torch.Tensor):
             if not (_is_dtensor(obj) or (path and path[0] in SECTIONS)):
                 return obj  # kept in the skeleton, per rank
-            local = obj.to_local() if _is_dtensor(obj) else obj
+            local = obj.to_local() if _is_dtensor(obj) else obj  # type: ignore[attr-defined]
             if local.layout != torch.strided:
                 raise ValueError(
                     f"checkpoint entry {'.'.join(map(str, path))}: {local.layout} tensors cannot be saved with "
@@ -286,7 +286,7 @@ def writer(path: Path, *, objects: tuple[str, bytes] | None, durable: bool, thre
 
     class Writer(FileSystemWriter):
         def write_data(self, plan: Any, planner: Any) -> Any:
-            fs = self.fs
+            fs: Any = self.fs
             if objects is not None:
                 name, data = objects
                 with fs.create_stream(Path(self.path) / name, "wb") as stream:
@@ -295,7 +295,7 @@ def writer(path: Path, *, objects: tuple[str, bytes] | None, durable: bool, thre
                         stream.flush()
                         os.fsync(stream.fileno())
             with no_zip_crc():
-                future = super().write_data(plan, planner)
+                future: Any = super().write_data(plan, planner)
                 future.wait() if hasattr(future, "wait") else future.result()
             record = {name: list(value) for name, value in fs.records.items()}
             rank = self.rank if self.rank is not None else 0

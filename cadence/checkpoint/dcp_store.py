@@ -705,6 +705,7 @@ class DCPStore(CheckpointStore):
     ) -> dict[str, torch.Tensor]:
         """The tensors DCP loads into, each checked against `.metadata` (key present, same global shape)."""
         from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         step = manifest.get("step")
         try:
@@ -718,7 +719,7 @@ class DCPStore(CheckpointStore):
         out: dict[str, torch.Tensor] = {}
         for key, path in dcp_io.placeholders(skeleton):
             saved = metadata.get(key)
-            if saved is None or not hasattr(saved, "size"):
+            if not isinstance(saved, TensorStorageMetadata):
                 raise CheckpointError(
                     f"tensor {key} is in {OBJECTS} but not in {METADATA}: the checkpoint is damaged",
                     path=folder,

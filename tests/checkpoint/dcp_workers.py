@@ -146,9 +146,30 @@ def two_ranks(directory: str) -> dict[str, Any]:
         gathered: list[Any] = [None, None]
         dist.all_gather_object(gathered, out["twod->2"]["engine"])
         out["engines"] = gathered
+        out["errors"] = errors_on_every_rank(directory)
         return out
     finally:
         dist.destroy_process_group()
+
+
+def errors_on_every_rank(directory: str) -> list[str]:
+    """A problem on rank 1 alone (its payload, its template) raises the same error on both ranks, nothing written."""
+    from cadence.checkpoint.store import CheckpointError
+
+    rank, messages = dist.get_rank(), []
+    bad = {"format": FORMAT, "version": 1, "meta": {"step": 4}, "model": {"w": torch.zeros(2)}}
+    if rank == 1:
+        bad["model"]["w"] = torch.zeros(2).to_sparse()
+    try:
+        DCPStore(os.path.join(directory, "bad")).write("latest", bad)
+    except CheckpointError as exc:
+        messages.append(str(exc))
+    template = {"model": {"0.weight": torch.zeros(32, 8 if rank == 0 else 9)}}
+    try:
+        DCPStore(os.path.join(directory, "two"), template=template).read("latest")
+    except CheckpointError as exc:
+        messages.append(str(exc))
+    return messages
 
 
 def load_on_one(directory: str) -> dict[str, Any]:

@@ -238,6 +238,11 @@ def test_resharding_2_to_1_to_no_process_group_1_to_2_and_2d_to_1d(tmp_path: Pat
     equal(two["twod"]["optimizer"], two["twod->2"]["optimizer"])
     assert set(two["twod->2"]["placements"].values()) == {sharded}
     assert two["engines"] == [{"step": 2, "rank": 0}, {"step": 2, "rank": 1}]  # each rank's own objects
+    # Rank 1's problem, raised on rank 0 too (rank 0's messages are returned): no rank is left in a collective.
+    bad, shape = two["errors"]
+    assert "rank 1 cannot save 'latest': ValueError: checkpoint entry model.w: torch.sparse_coo" in bad
+    assert "on rank 1: tensor model.0.weight has shape (32, 8) in the checkpoint and (32, 9)" in shape
+    assert "(step 3)" in shape and not (tmp_path / "bad").exists()
     # -> one process without a process group (DCP's no_dist): whole tensors.
     read = DCPStore(tmp_path / "two", template={"model": workers.model(9).state_dict()}).read("latest")
     equal(two["two"]["model"], read["model"])
