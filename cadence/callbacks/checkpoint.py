@@ -148,7 +148,13 @@ class Checkpoint(Callback):
     def _bind(self, engine: Engine) -> None:
         directory = Path(self.config.dir) if self.config.dir else engine.run_dir / "checkpoints"
         self.store = engine.backend.checkpoint_store(engine).at(directory)
-        self._writes = self.store.all_ranks_write or engine.backend.is_main
+        collective = getattr(self.store, "collective", False)
+        if collective and self.config.async_mode == "async":
+            raise ValueError(
+                f"Checkpoint(async_mode='async'): the {type(self.store).__name__} writes collectively on every "
+                "rank, which a background thread cannot do; use async_mode='disabled'"
+            )
+        self._writes = self.store.all_ranks_write or collective or engine.backend.is_main
         if self._writes:
             removed = self.store.sweep()
             if removed:
@@ -173,10 +179,16 @@ class Checkpoint(Callback):
         """Restore the newest complete checkpoint of this run; False if there is none."""
         backend, store = engine.backend, self.store
         picked, payload, problems = None, None, []
+        collective = getattr(store, "collective", False)
         if backend.is_main:
             for name in self._candidates():
                 try:
-                    payload = store.read(name)
+                    # A collective store's read needs every rank: the main rank checks candidates by
+                    # their manifest and checksums alone, and every rank reads the pick below.
+                    if collective:
+                        store.verify(name)
+                    else:
+                        payload = store.read(name)
                 except CheckpointError as exc:
                     problems.append(str(exc))
                     continue
@@ -229,6 +241,16 @@ class Checkpoint(Callback):
             step = None
         else:
             store, name = self.store.locate(path)
+            if getattr(store, "restores_model", False):
+                if config.pretrained_exclude:
+                    raise ValueError(
+                        f"Checkpoint(pretrained_exclude={config.pretrained_exclude}): the {type(store).__name__} "
+                        "loads module weights as a whole; load them without exclusions"
+                    )
+                payload = store.read(name, keys=["model"])  # the store loads the weights itself (DeepSpeed)
+                logger.info("loaded pretrained weights from %s (through the store)", path)
+                engine.fire(Event.ON_LOAD)
+                return
             payload = store.read(name, keys=["model"])
             state, step = payload["model"], payload.get("meta", {}).get("step")
         if not isinstance(state, Mapping):
@@ -362,12 +384,14 @@ class Checkpoint(Callback):
         with engine.long_operation("checkpoint save"):
             try:
                 if fresh or links:
-                    payload = build_payload(engine) if fresh else None
+                    restores = getattr(self.store, "restores_model", False)
+                    payload = build_payload(engine, model=not restores) if fresh else None
                     job = Job(payload, "latest" if fresh else None, links, state.step, state.epoch, reason)
                     self._dispatch(job, done)
                 if ema is not None:
                     with ema.swapped(engine):  # `best` holds the averaged weights; written before they go back
-                        self._dispatch(Job(build_payload(engine), "best", (), state.step, state.epoch, reason), done)
+                        best_payload = build_payload(engine, model=not getattr(self.store, "restores_model", False))
+                        self._dispatch(Job(best_payload, "best", (), state.step, state.epoch, reason), done)
             except Exception as exc:
                 error = exc
             if self._writer is None and backend.world_size > 1:

@@ -46,9 +46,14 @@ class CheckpointStore(abc.ABC):
     Attributes:
         all_ranks_write: every rank calls `write` (sharded stores); when False,
             only the main process writes and the others wait at a barrier.
+        restores_model: `read` puts model and optimizer back itself (DeepSpeed's
+            engine loads its own files) and marks the payload
+            `restored_by_store`; payloads for `write` may leave them out
+            (`build_payload(engine, model=False)`).
     """
 
     all_ranks_write: ClassVar[bool] = False
+    restores_model: ClassVar[bool] = False
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         self.directory = None if directory is None else Path(directory)
