@@ -518,7 +518,8 @@ def clear_accumulated(ds: Any, stage: int) -> None:
         else:
             # Every group, not only those `averaged_gradients` lists: right after `load_checkpoint` it is
             # empty while `all_grad_tensors` already holds this step's accumulation (DeepSpeed's own
-            # overflow path misses that case).
+            # overflow path runs after `finalize_gradient_accumulation_boundary` filled it; a skip here
+            # comes before).
             for k in set(optimizer.averaged_gradients) | set(optimizer.all_grad_tensors):
                 optimizer.averaged_gradients[k] = None
                 optimizer.all_grad_tensors[k] = None

@@ -34,6 +34,13 @@ STEPS = 10  # one epoch: 160 samples, 2 ranks x batch 4 x grad_accum 2 per step
 CLIP = 0.1
 
 
+def ds_backend(stage, timeout=60):
+    # ZeRO-3 keeps parameters below a size threshold whole on every rank: 0 partitions all of them,
+    # so every forward gathers (the tiny test model would otherwise never do).
+    raw = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else {}
+    return DeepSpeedBackend(zero_stage=stage, timeout=timeout, deepspeed=raw)
+
+
 def run(fn, *args, nprocs=2):
     return launch(fn, *args, nprocs=nprocs, start_method="fork", timeout=120)
 
@@ -136,7 +143,7 @@ def train_stage(stage, callbacks, directory=None, resume_from=None):
             if resume_from is None
             else Checkpoint(dir=directory, resume=resume_from, interval=0, save_on_fit_end=False)
         )
-    engine = make_engine(DeepSpeedBackend(zero_stage=stage, timeout=60), 4, [*callbacks, record, *extra])
+    engine = make_engine(ds_backend(stage), 4, [*callbacks, record, *extra])
     try:
         engine.fit()  # to config.steps: a resumed engine trains the rest
         backend = engine.backend
@@ -200,11 +207,12 @@ def check_resumed_bitwise(first, resumed):
             assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
-def test_zero0_nan_is_cadences_skip():
+def test_zero0_nan_is_cadences_skip_and_clipping():
     # ZeRO-0 does not check gradients itself: NonFiniteSkip sees the NaN and the step is skipped on both ranks.
-    first, _ = run(stage_worker, 0, lambda: [NonFiniteSkip(), NaNAt(3, rank=1)], None)
-    ref = reference([SkipAt({3})])
+    first, _ = run(stage_worker, 0, lambda: [NonFiniteSkip(), NaNAt(3, rank=1), GradClip(max_norm=CLIP)], None)
+    ref = reference([SkipAt({3}), GradClip(max_norm=CLIP)])
     check_equal_to_reference(first, ref)
+    check_norms(first, ref)  # ZeRO-0 keeps no global norm: the backend records the one its clipping computes
     assert first["callbacks"]["NonFiniteSkip"] == {"consecutive": 0, "total": 1}
     assert "zero=0" in first["describe"]
 
@@ -277,7 +285,7 @@ def test_bf16_zero2_and_zero3_agree_and_changed_degree_is_cadences_error(tmp_pat
         out = {}
         for name, stage, precision in (("fp32", 0, "fp32"), ("bf16-2", 2, "bf16"), ("bf16-3", 3, "bf16")):
             callbacks = [Checkpoint(dir=directory, interval=0)] if name == "bf16-2" else []
-            engine = make_engine(DeepSpeedBackend(zero_stage=stage, timeout=60), 4, callbacks, precision=precision)
+            engine = make_engine(ds_backend(stage), 4, callbacks, precision=precision)
             engine.fit()
             out[name] = {
                 "loss": engine.evaluate()["val.loss"],
