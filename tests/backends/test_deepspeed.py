@@ -10,9 +10,12 @@ DeepSpeed op is compiled (no shm op, torch optimizers only).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported: no GPU probing
 
@@ -24,6 +27,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="the DeepSpeed backend tests
 import cadence  # noqa: E402
 from cadence.backends.deepspeed import DeepSpeedBackend, DeepSpeedConfig, build_config  # noqa: E402
 from cadence.callbacks import EMA, Checkpoint, GradClip, NonFiniteSkip  # noqa: E402
+from cadence.checkpoint.deepspeed_store import DeepSpeedStore  # noqa: E402
 from cadence.checkpoint.store import CheckpointError  # noqa: E402
 from cadence.launch import launch  # noqa: E402
 from tests.conftest import tiny_dataset, tiny_model  # noqa: E402
@@ -183,6 +187,23 @@ def stage_worker(stage, callbacks, directory):
         dist.destroy_process_group()
 
 
+def check_damaged_checkpoint_is_refused(directory):
+    """One flipped byte in a copy of `latest`: its manifest's checksum refuses it (no DeepSpeed needed)."""
+    store = DeepSpeedStore(directory, backend=SimpleNamespace(is_main=True, world_size=1))
+    manifest = store.verify("latest")
+    assert manifest["zero_stage"] == 2 and manifest["data_size"] == 2 and manifest["step"] == STEPS
+    assert all(entry["algorithm"] == "xxh3_64" for entry in manifest["files"].values())
+    shutil.copytree(directory / "latest", directory / "damaged")
+    victim = next(f for f in sorted(manifest["files"]) if "optim_states" in f)
+    with open(directory / "damaged" / victim, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match=f"{victim}: checksum mismatch"):
+        store.verify("damaged")
+
+
 def max_diff(a, b):
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
@@ -277,7 +298,7 @@ def resume_on_one_rank(directory):
     return None, None, engine.state.step
 
 
-def test_bf16_zero2_and_zero3_agree_and_changed_degree_is_cadences_error(tmp_path):
+def test_bf16_zero2_and_zero3_agree_store_auto_resume_pretrained_damage_and_changed_degree(tmp_path):
     def worker(directory):
         import torch.distributed as dist
 
@@ -289,9 +310,28 @@ def test_bf16_zero2_and_zero3_agree_and_changed_degree_is_cadences_error(tmp_pat
             engine.fit()
             out[name] = {
                 "loss": engine.evaluate()["val.loss"],
-                "params": {k: v.float().clone() for k, v in engine.backend.model_state_dict(engine).items()},
+                "params": {k: v.clone() for k, v in engine.backend.model_state_dict(engine).items()},
                 "dtype": str(next(engine.model.parameters()).dtype),
             }
+            engine.close()
+        # auto_resume with a collective store: the main rank picks `latest` by its checksums, every rank reads it.
+        engine = make_engine(ds_backend(2), 4, [Checkpoint(dir=directory, auto_resume=True)], precision="bf16")
+        engine.fit()  # restored at step 10 = config.steps: nothing left to train
+        out["auto"] = {"step": engine.state.step, "params": engine.backend.model_state_dict(engine)}
+        engine.close()
+        # pretrained: module weights only, through DeepSpeed (load_module_only); the run starts at step 0.
+        engine = make_engine(
+            ds_backend(2), 4, [Checkpoint(dir=directory + "-2", pretrained=directory + "/latest")], precision="bf16"
+        )
+        engine.fit(steps=0)
+        out["pretrained"] = {"step": engine.state.step, "params": engine.backend.model_state_dict(engine)}
+        engine.close()
+        engine = make_engine(ds_backend(0), 4, [Checkpoint(dir=directory + "-3", async_mode="async")])
+        try:
+            engine.fit(steps=1)
+        except Exception as exc:
+            out["async"] = str(exc)
+        finally:
             engine.close()
         dist.destroy_process_group()
         return out
@@ -303,6 +343,12 @@ def test_bf16_zero2_and_zero3_agree_and_changed_degree_is_cadences_error(tmp_pat
     assert out["bf16-2"]["loss"] == pytest.approx(out["bf16-3"]["loss"], abs=1e-3)
     for name in ("bf16-2", "bf16-3"):
         assert out[name]["loss"] == pytest.approx(out["fp32"]["loss"], rel=1e-2)
+
+    for name in ("auto", "pretrained"):
+        assert all(torch.equal(v, out[name]["params"][k]) for k, v in out["bf16-2"]["params"].items()), name
+    assert out["auto"]["step"] == STEPS and out["pretrained"]["step"] == 0
+    assert "async_mode='async'" in out["async"] and "collectively" in out["async"]
+    check_damaged_checkpoint_is_refused(Path(directory))
 
     # The ZeRO-2 checkpoint of 2 ranks on 1 rank: Cadence's error naming both degrees, before anything loads.
     error, changed, step = run(resume_on_one_rank, directory, nprocs=1)
