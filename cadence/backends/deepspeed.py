@@ -122,6 +122,7 @@ class DeepSpeedBackend(DDPBackend):
         self._norm: torch.Tensor | None = None  # the deferred clipping norm (see clip_grad_norm_)
         self._clip: float | None = None
         self._zero0_norm: Any = None
+        self._groups_before: dict[str, Any] | None = None
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> DeepSpeedBackend:
@@ -170,6 +171,8 @@ class DeepSpeedBackend(DDPBackend):
             torch.cuda.set_device(self.device)
         self._init_deepspeed_comm()
         deepspeed = self._deepspeed
+        if self.created_group:
+            self._groups_before = _deepspeed_group_state()
         ds, _, _, _ = deepspeed.initialize(
             model=engine.model, optimizer=engine.optimizers[0], config=self.ds_config, dist_init_required=False
         )
@@ -186,7 +189,11 @@ class DeepSpeedBackend(DDPBackend):
             return
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             self._init_process_group()  # raises, naming what is missing
-        # One process without a launcher: a group of one on an in-memory store.
+        # One process without a launcher: a group of one on an in-memory store. DeepSpeed reads
+        # the launcher's variables itself (LOCAL_RANK is required): set those of one process.
+        for name in ("RANK", "LOCAL_RANK"):
+            os.environ.setdefault(name, "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(
             "nccl" if torch.cuda.is_available() and self.requested_device != "cpu" else "gloo",
             store=dist.HashStore(),
@@ -215,10 +222,16 @@ class DeepSpeedBackend(DDPBackend):
     def teardown(self) -> None:
         self.ds = None
         if self.created_group:
+            # The group is destroyed below: DeepSpeed's module-level handles on it (its comm
+            # backend, the groups it derived) go back to what they were, so that a later engine
+            # in this process starts DeepSpeed on a fresh group.
             import importlib
 
-            ds_comm = importlib.import_module("deepspeed.comm.comm")
-            ds_comm.cdb = None  # DeepSpeed's handle on the group destroyed below
+            importlib.import_module("deepspeed.comm.comm").cdb = None
+            groups = importlib.import_module("deepspeed.utils.groups")
+            for name, value in (self._groups_before or {}).items():
+                setattr(groups, name, value)
+            self._groups_before = None
         super().teardown()
 
     @staticmethod
@@ -342,11 +355,18 @@ class DeepSpeedBackend(DDPBackend):
 
             grads = (safe_get_local_grad(p) for p in engine.model.parameters() if p.requires_grad)
             return [g for g in grads if g is not None]
+        # ZeRO-2 before the step: the reduced, accumulated gradients of the parameters that
+        # overlap this rank's partition (`all_grad_tensors`, one list per group); after
+        # `finalize_gradient_accumulation_boundary`, the flat partitions (`averaged_gradients`).
         optimizer = self.ds.optimizer
-        found = [g for g in getattr(optimizer, "averaged_gradients", {}).values() if g is not None]
-        flat = [t for group in found for t in (group if isinstance(group, list) else [group])]
-        buffers = getattr(optimizer, "ipg_buffer", None) or []
-        return flat + [b for b in buffers if isinstance(b, torch.Tensor)]
+        found: list[torch.Tensor] = []
+        for store in (optimizer.all_grad_tensors, optimizer.averaged_gradients):
+            for group in store.values():
+                if group is not None:
+                    found.extend(t for t in (group if isinstance(group, (list, tuple)) else [group]) if t is not None)
+            if found:
+                break
+        return found
 
     @property
     def checks_gradients_itself(self) -> bool:
@@ -354,7 +374,24 @@ class DeepSpeedBackend(DDPBackend):
         return self.zero_stage >= 1
 
     def evaluation(self, engine: Engine) -> contextlib.AbstractContextManager[Any]:
-        return NULL_CONTEXT
+        """ZeRO-3: gathered parameters are released around evaluation; otherwise nothing.
+
+        ZeRO-3 keeps gathered copies of parameters between forwards. A callback
+        that writes the local partitions for evaluation (EMA's swap, through
+        `local_parameters`) needs the evaluation forwards to gather them anew,
+        and training after it to gather the restored ones.
+        """
+        if self.zero_stage != 3 or self.ds is None:
+            return NULL_CONTEXT
+        return self._regathered()
+
+    @contextlib.contextmanager
+    def _regathered(self) -> Any:
+        self.ds.empty_partition_cache()
+        try:
+            yield
+        finally:
+            self.ds.empty_partition_cache()
 
     # -- state ------------------------------------------------------------
 
@@ -436,7 +473,8 @@ def build_config(options: DeepSpeedConfig, precision: str, grad_accum: int, micr
             + "\n  - ".join(problems)
             + "\nchange the Cadence setting or drop the key from DeepSpeedConfig.deepspeed"
         )
-    config: dict[str, Any] = {"steps_per_print": QUIET_STEPS}
+    # Any torch optimizer is the user's to choose (DeepSpeed otherwise refuses all but its Adam-likes under ZeRO).
+    config: dict[str, Any] = {"steps_per_print": QUIET_STEPS, "zero_allow_untested_optimizer": True}
     for key, (value, _) in ours.items():
         if key == "fp16.enabled" and not value and _get(raw, key) is _MISSING:
             continue
@@ -470,6 +508,20 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
         else:
             merged[key] = value
     return merged
+
+
+def _deepspeed_group_state() -> dict[str, Any]:
+    """DeepSpeed's module-level process-group handles (`deepspeed.utils.groups`), copied."""
+    import importlib
+
+    groups = importlib.import_module("deepspeed.utils.groups")
+    state = {}
+    for name, value in vars(groups).items():
+        if name in ("mesh_device", "mpu") or (name.startswith("_") and name[1:2].isupper()):
+            if callable(value) or isinstance(value, type(groups)):
+                continue
+            state[name] = dict(value) if isinstance(value, dict) else value
+    return state
 
 
 def _require_deepspeed() -> Any:

@@ -81,11 +81,26 @@ class NaNAt(cadence.Callback):
             engine.batch = (inputs * float("nan"), targets)
 
 
+class EvaluateAt(cadence.Callback):
+    """Evaluates once inside fit (EMA swaps its average in and out around it)."""
+
+    def __init__(self, step):
+        self.step, self.loss = step, None
+
+    def on_step_end(self, engine):
+        if engine.state.step == self.step:
+            self.loss = engine.evaluate()["val.loss"]
+
+
 class Record(cadence.Callback):
-    """Per step: whether it was skipped, the LR after it, the clipping norm."""
+    """Per step: whether it was skipped, the LR after it, the clipping norm; what `local_gradients` held."""
 
     def __init__(self):
         self.rows = []
+        self.gradient_elements = []
+
+    def on_before_optimizer_step(self, engine):
+        self.gradient_elements.append(sum(g.numel() for g in engine.backend.local_gradients(engine)))
 
     def on_step_end(self, engine):
         norm = getattr(engine, "grad_norm", None)
@@ -134,6 +149,7 @@ def reference(callbacks):
         "skipped": engine.state.skipped_steps,
         "scheduler": engine.schedulers[0].last_epoch,
         "ema": shadow,
+        "eval": next((c.loss for c in engine.callbacks if isinstance(c, EvaluateAt)), None),
     }
 
 
@@ -155,6 +171,7 @@ def train_stage(stage, callbacks, directory=None, resume_from=None):
         out = {
             "params": {k: v.clone() for k, v in backend.model_state_dict(engine).items()},  # gathered at ZeRO-3
             "rows": record.rows,
+            "gradient_elements": record.gradient_elements,
             "state": engine.state.state_dict(),
             "scheduler": engine.schedulers[0].last_epoch,
             "callbacks": {
@@ -164,6 +181,7 @@ def train_stage(stage, callbacks, directory=None, resume_from=None):
             "ema_names": ema.names if ema else None,
             "partition": [p.ds_tensor.numel() for p in engine.model.parameters()] if stage == 3 else None,
             "describe": backend.describe(),
+            "eval": next((c.loss for c in engine.callbacks if isinstance(c, EvaluateAt)), None),
             "saved": sorted(os.listdir(directory)) if directory and resume_from is None else None,
         }
     finally:
@@ -210,6 +228,8 @@ def max_diff(a, b):
 
 def check_equal_to_reference(out, ref):
     assert max_diff(out["params"], ref["params"]) < 1e-6
+    # Callbacks that check gradients see this rank's part of them at every stage, never nothing.
+    assert min(out["gradient_elements"]) > 0
     assert [r[0] for r in out["rows"]] == [r[0] for r in ref["rows"]]  # the same steps skipped
     assert [r[1] for r in out["rows"]] == pytest.approx([r[1] for r in ref["rows"]])  # the LR stepped alike
     assert out["state"]["skipped_steps"] == ref["skipped"]
@@ -267,11 +287,13 @@ def test_zero3_agreed_skip_clipping_ema_and_bitwise_resume(tmp_path):
     directory = str(tmp_path / "ckpt")
 
     def callbacks():
-        return [SkipAt({3}), NonFiniteSkip(), GradClip(max_norm=CLIP), EMA(decay=0.9)]
+        return [SkipAt({3}), NonFiniteSkip(), GradClip(max_norm=CLIP), EMA(decay=0.9), EvaluateAt(5)]
 
     first, resumed = run(stage_worker, 3, callbacks, directory)
-    ref = reference([SkipAt({3}), GradClip(max_norm=CLIP), EMA(decay=0.9)])
+    ref = reference([SkipAt({3}), GradClip(max_norm=CLIP), EMA(decay=0.9), EvaluateAt(5)])
+    # Evaluating with EMA's average (written into the partitions) at step 5 leaves training as it was.
     check_equal_to_reference(first, ref)
+    assert first["eval"] == pytest.approx(ref["eval"], abs=1e-6)
     check_norms(first, ref)
     check_resumed_bitwise(first, resumed)
     # EMA averaged each rank's partition (ds_tensor), never empty tensors: rank r holds slice r of the flat average.
@@ -445,3 +467,25 @@ def test_import_cadence_backends_does_not_import_deepspeed():
     code = "import sys, cadence, cadence.backends, cadence.engine.registry; assert 'deepspeed' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+# -- the contract harness on this backend -------------------------------------------------------
+
+# The built-ins that act on the step, the parameters or the checkpoint (sinks and watchdogs do
+# not depend on the backend): ZeRO-0 is quick to set up; ZeRO-3 (partitions, gathered states)
+# costs 5-20 s per callback and is marked slow.
+HARNESSED = ["checkpoint", "lr_scheduler", "non_finite_skip", "grad_clip", "ema", "early_stopping", "train_metrics"]
+
+
+@pytest.mark.parametrize(
+    ("stage", "name"),
+    [(0, name) for name in HARNESSED]
+    + [pytest.param(3, name, marks=pytest.mark.slow) for name in ("checkpoint", "non_finite_skip", "grad_clip", "ema")],
+)
+def test_the_harness_passes_builtin_callbacks(stage, name, tmp_path):
+    from cadence.testing import PROPERTIES, check_callback
+    from tests.testing.test_harness import BUILTINS
+
+    report = check_callback(BUILTINS[name], workdir=tmp_path, timeout=90, backend=lambda: ds_backend(stage))
+    assert report.ok, str(report)
+    assert {r.name for r in report.results} == set(PROPERTIES)
