@@ -208,7 +208,7 @@ class DeepSpeedBackend(DDPBackend):
         import importlib
 
         # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm has a `torch` attribute).
-        ds_torch = importlib.import_module("deepspeed.comm.torch")
+        ds_torch: Any = importlib.import_module("deepspeed.comm.torch")
         build = ds_torch.build_shm_op
         if not self.options.shm_comm:
             ds_torch.build_shm_op = lambda: None
@@ -227,7 +227,8 @@ class DeepSpeedBackend(DDPBackend):
             # in this process starts DeepSpeed on a fresh group.
             import importlib
 
-            importlib.import_module("deepspeed.comm.comm").cdb = None
+            ds_comm: Any = importlib.import_module("deepspeed.comm.comm")
+            ds_comm.cdb = None
             groups = importlib.import_module("deepspeed.utils.groups")
             for name, value in (self._groups_before or {}).items():
                 setattr(groups, name, value)

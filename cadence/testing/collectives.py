@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.ddp import DDPBackend
+from cadence.engine.backend import Backend
 
 #: torch.distributed functions the log wraps (when this torch has them).
 COLLECTIVES: tuple[str, ...] = (
@@ -211,8 +212,8 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return lines
 
 
-class _Counting:
-    """Records a backend's own collectives (as `backend.<method>`) in `self.log`."""
+class _Counting(Backend):
+    """Records a backend's own collectives (as `backend.<method>`) in `self.log`; mixed in before a backend class."""
 
     log: CollectiveLog
 
