@@ -113,14 +113,14 @@ class Record(cadence.Callback):
         )
 
 
-def make_engine(backend, batch_size, callbacks=(), precision="fp32"):
+def make_engine(backend, batch_size, callbacks=(), precision="fp32", samples=160):
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     return cadence.Engine(
         model,
         optimizer,
-        tiny_dataset(160),
+        tiny_dataset(samples),
         loss_fn=torch.nn.functional.cross_entropy,
         scheduler=scheduler,
         eval_data=tiny_dataset(32, seed=2),
@@ -137,10 +137,10 @@ def make_engine(backend, batch_size, callbacks=(), precision="fp32"):
     )
 
 
-def reference(callbacks):
+def reference(callbacks, samples=160):
     """The local backend on the same global batches (8 = 2 ranks x 4)."""
     record = Record()
-    engine = make_engine("local", 8, [*callbacks, record])
+    engine = make_engine("local", 8, [*callbacks, record], samples=samples)
     engine.fit()
     shadow = next((dict(zip(c.names, c.shadow)) for c in engine.callbacks if isinstance(c, EMA)), None)
     return {
@@ -153,7 +153,7 @@ def reference(callbacks):
     }
 
 
-def train_stage(stage, callbacks, directory=None, resume_from=None):
+def train_stage(stage, callbacks, directory=None, resume_from=None, samples=160):
     """One DeepSpeed engine: fit STEPS (or the rest after a resume); what the checks need."""
     record = Record()
     extra = []
@@ -163,7 +163,7 @@ def train_stage(stage, callbacks, directory=None, resume_from=None):
             if resume_from is None
             else Checkpoint(dir=directory, resume=resume_from, interval=0, save_on_fit_end=False)
         )
-    engine = make_engine(ds_backend(stage), 4, [*callbacks, record, *extra])
+    engine = make_engine(ds_backend(stage), 4, [*callbacks, record, *extra], samples=samples)
     try:
         engine.fit()  # to config.steps: a resumed engine trains the rest
         backend = engine.backend
@@ -189,12 +189,12 @@ def train_stage(stage, callbacks, directory=None, resume_from=None):
     return out
 
 
-def stage_worker(stage, callbacks, directory):
+def stage_worker(stage, callbacks, directory, samples=160):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")  # one group for every engine of this launch
     try:
-        first = train_stage(stage, callbacks(), directory)
+        first = train_stage(stage, callbacks(), directory, samples=samples)
         resumed = None
         if directory is not None:
             resumed = train_stage(
@@ -208,6 +208,7 @@ def stage_worker(stage, callbacks, directory):
 def check_damaged_checkpoint_is_refused(directory):
     """One flipped byte in a copy of `latest`: its manifest's checksum refuses it (no DeepSpeed needed)."""
     store = DeepSpeedStore(directory, backend=SimpleNamespace(is_main=True, world_size=1))
+    assert store.names() == ["ckpt-s000000000006", "ckpt-s000000000009", "latest"]  # keep_latest_k=2 of 3, 6, 9
     manifest = store.verify("latest")
     assert manifest["zero_stage"] == 2 and manifest["data_size"] == 2 and manifest["step"] == STEPS
     assert all(entry["algorithm"] == "xxh3_64" for entry in manifest["files"].values())
@@ -258,9 +259,11 @@ def test_zero0_nan_is_cadences_skip_and_clipping():
     assert "zero=0" in first["describe"]
 
 
-def test_zero1_agreed_skip_and_clipping():
-    first, _ = run(stage_worker, 1, lambda: [SkipAt({3}), GradClip(max_norm=CLIP)], None)
-    ref = reference([SkipAt({3}), GradClip(max_norm=CLIP)])
+def test_zero1_agreed_skip_clipping_and_a_short_last_step():
+    # 152 samples: 19 micro-batches per rank, so the 10th step is short (one micro-batch, averaged over one).
+    first, _ = run(stage_worker, 1, lambda: [SkipAt({3}), GradClip(max_norm=CLIP)], None, 152)
+    ref = reference([SkipAt({3}), GradClip(max_norm=CLIP)], samples=152)
+    assert first["state"]["micro_step"] == 19
     check_equal_to_reference(first, ref)
     check_norms(first, ref)
 
@@ -327,7 +330,7 @@ def test_bf16_zero2_and_zero3_agree_store_auto_resume_pretrained_damage_and_chan
         dist.init_process_group("gloo")
         out = {}
         for name, stage, precision in (("fp32", 0, "fp32"), ("bf16-2", 2, "bf16"), ("bf16-3", 3, "bf16")):
-            callbacks = [Checkpoint(dir=directory, interval=0)] if name == "bf16-2" else []
+            callbacks = [Checkpoint(dir=directory, interval=3, keep_latest_k=2)] if name == "bf16-2" else []
             engine = make_engine(ds_backend(stage), 4, callbacks, precision=precision)
             engine.fit()
             out[name] = {
