@@ -406,13 +406,18 @@ class DeepSpeedBackend(DDPBackend):
             return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
 
     def load_model_state_dict(self, engine: Engine, state: dict[str, Any], strict: bool = True) -> Any:
+        return self.load_module_weights(engine.model, state, strict=strict)
+
+    def load_module_weights(self, module: torch.nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load whole weights into the module DeepSpeed wraps (ZeRO-3: gathered, rank 0's values
+        partitioned), then refresh the optimizer's fp32 master copies from them."""
         if self.zero_stage != 3:
-            result = engine.model.load_state_dict(state, strict=strict)
+            result = module.load_state_dict(state, strict=strict)
         else:
             from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-            with GatheredParameters(list(engine.model.parameters()), modifier_rank=0):
-                result = engine.model.load_state_dict(state, strict=strict)
+            with GatheredParameters(list(module.parameters()), modifier_rank=0):
+                result = module.load_state_dict(state, strict=strict)
         if self.ds is not None and (self.zero_stage >= 1 or self._dtype is not None):
             # The optimizer's fp32 master copies must follow the new weights.
             refresh = getattr(self.ds.optimizer, "refresh_fp32_params", None)

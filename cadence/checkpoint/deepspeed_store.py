@@ -346,6 +346,11 @@ class DeepSpeedStore(CheckpointStore):
         folder, step = self.path(name), manifest.get("step")
         if not touches_engine:
             client = self._client_state(folder, manifest)
+        elif module_only and self.backend.zero_stage == 3:
+            # DeepSpeed's own module-only load at ZeRO-3 rebuilds the weights from a `latest` file
+            # beside the tag folders, which Cadence's names (folders) do not have: rebuild them here.
+            self.backend.load_module_weights(self.backend.ds.module, self._full_weights(folder, manifest))
+            client = self._client_state(folder, manifest)
         else:
             ds = self.backend.ds
             try:
@@ -393,6 +398,24 @@ class DeepSpeedStore(CheckpointStore):
                 path=folder,
                 step=step,
             )
+
+    def _full_weights(self, folder: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """The whole module weights of a checkpoint (fp32 masters when ZeRO saved them)."""
+        import torch
+
+        try:
+            if manifest.get("zero_stage"):
+                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+                return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name))
+            state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+            return dict(state["module"])
+        except Exception as exc:
+            raise CheckpointError(
+                f"cannot rebuild the module weights: {type(exc).__name__}: {exc}",
+                path=folder,
+                step=manifest.get("step"),
+            ) from exc
 
     def _client_state(self, folder: Path, manifest: Mapping[str, Any]) -> Any:
         import torch

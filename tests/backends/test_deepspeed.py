@@ -92,6 +92,16 @@ class EvaluateAt(cadence.Callback):
             self.loss = engine.evaluate()["val.loss"]
 
 
+class LoadedWeights(cadence.Callback):
+    """The whole weights right after a restore."""
+
+    def __init__(self):
+        self.params = None
+
+    def on_load(self, engine):
+        self.params = {k: v.clone() for k, v in engine.backend.model_state_dict(engine).items()}
+
+
 class Record(cadence.Callback):
     """Per step: whether it was skipped, the LR after it, the clipping norm; what `local_gradients` held."""
 
@@ -197,9 +207,15 @@ def stage_worker(stage, callbacks, directory, samples=160):
         first = train_stage(stage, callbacks(), directory, samples=samples)
         resumed = None
         if directory is not None:
-            resumed = train_stage(
-                stage, callbacks(), directory, resume_from=os.path.join(directory, "ckpt-s000000000006")
-            )
+            loaded = LoadedWeights()
+            snapshot = os.path.join(directory, "ckpt-s000000000006")
+            resumed = train_stage(stage, [*callbacks(), loaded], directory, resume_from=snapshot)
+            resumed["loaded"] = loaded.params
+            if stage == 3:  # pretrained: the same weights, module only (rebuilt from the partitions)
+                engine = make_engine(ds_backend(stage), 4, [Checkpoint(dir=directory + "-2", pretrained=snapshot)])
+                engine.fit(steps=0)
+                resumed["pretrained"] = (engine.state.step, engine.backend.model_state_dict(engine))
+                engine.close()
         return first, resumed
     finally:
         dist.destroy_process_group()
@@ -299,6 +315,8 @@ def test_zero3_agreed_skip_clipping_ema_and_bitwise_resume(tmp_path):
     assert first["eval"] == pytest.approx(ref["eval"], abs=1e-6)
     check_norms(first, ref)
     check_resumed_bitwise(first, resumed)
+    step, pretrained = resumed["pretrained"]
+    assert step == 0 and all(torch.equal(v, pretrained[k]) for k, v in resumed["loaded"].items())
     # EMA averaged each rank's partition (ds_tensor), never empty tensors: rank r holds slice r of the flat average.
     for rank, shadows in enumerate(first["ema"]):
         for name, shadow, size in zip(first["ema_names"], shadows, first["partition"]):
