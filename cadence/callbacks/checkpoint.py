@@ -165,6 +165,11 @@ class Checkpoint(Callback):
         directory = Path(self.config.dir) if self.config.dir else engine.run_dir / "checkpoints"
         backend = engine.backend
         self.store = backend.checkpoint_store(engine).at(directory)
+        if self.config.async_mode == "async" and not self.store.background_safe:
+            raise ValueError(
+                f"Checkpoint(async_mode='async'): the {type(self.store).__name__} writes with collectives on the "
+                "training process group, which a background thread cannot do; use async_mode='disabled'"
+            )
         self._main = backend.is_main
         self._collective = self.store.collective and backend.world_size > 1
         self._writes = self.store.collective or self._main
@@ -306,6 +311,17 @@ class Checkpoint(Callback):
             step = None
         else:
             store, name = locate(engine, self.store, path)
+            if store.restores_model:  # the store loads the module weights itself (DeepSpeed)
+                if config.pretrained_exclude:
+                    raise ValueError(
+                        f"Checkpoint(pretrained_exclude={config.pretrained_exclude}): the {type(store).__name__} "
+                        "loads module weights as a whole; load them without exclusions"
+                    )
+                with store_errors("reading pretrained weights", store.path(name)):
+                    store.read(name, keys=["model"])
+                logger.info("loaded pretrained weights from %s (through the store)", path)
+                engine.fire(Event.ON_LOAD)
+                return
             with store_errors("reading pretrained weights", store.path(name)):
                 payload = store.read(name, keys=["model"])
             state, step = payload["model"], payload.get("meta", {}).get("step")
@@ -454,12 +470,13 @@ class Checkpoint(Callback):
         with engine.long_operation("checkpoint save"):
             try:
                 if fresh or links:
-                    payload = build_payload(engine) if fresh else None
+                    payload = build_payload(engine, model=not self.store.restores_model) if fresh else None
                     job = Job(payload, "latest" if fresh else None, links, state.step, state.epoch, reason)
                     self._dispatch(job, done)
                 if ema is not None:
                     with ema.swapped(engine):  # `best` holds the averaged weights; written before they go back
-                        self._dispatch(Job(build_payload(engine), "best", (), state.step, state.epoch, reason), done)
+                        best_payload = build_payload(engine, model=not self.store.restores_model)
+                        self._dispatch(Job(best_payload, "best", (), state.step, state.epoch, reason), done)
             except Exception as exc:
                 error = exc
             if self._writer is None and not self._store_async and backend.world_size > 1:
