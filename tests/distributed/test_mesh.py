@@ -198,7 +198,11 @@ def per_step(path: Path) -> dict[int, int]:
 
 @pytest.mark.parametrize(
     ("options", "placement"),
-    [({"shard": 2}, "(Shard(dim=0),)"), ({"replicate": 2, "shard": 1}, "(Replicate(), Shard(dim=0))")],
+    [
+        ({"shard": 2}, "(Shard(dim=0),)"),
+        # HSDP, with activation checkpointing of every block on the way (same gradients).
+        ({"replicate": 2, "shard": 1, "activation_checkpointing": {"mode": "full"}}, "(Replicate(), Shard(dim=0))"),
+    ],
     ids=["fsdp2", "hsdp"],
 )
 def test_mesh_trains_like_one_process(tmp_path, options, placement):
