@@ -426,10 +426,14 @@ class MeshBackend(DDPBackend):
             set_optimizer_state_dict(engine.model, optimizer, state)
 
     def checkpoint_store(self, engine: Engine) -> Any:
-        """The DCP store (`cadence.checkpoint.dcp_store.DCPStore`): every rank writes its shards."""
+        """The DCP store (`cadence.checkpoint.dcp_store.DCPStore`): every rank writes its shards.
+
+        Built for `engine` (`DCPStore.for_engine`): it loads into the live
+        (sharded) model, optimizers and callback states.
+        """
         from cadence.checkpoint.dcp_store import DCPStore
 
-        return DCPStore()
+        return DCPStore.for_engine(engine)
 
     def describe(self) -> str:
         axes = " x ".join(f"{n}={s}" for n, s in self.sizes.items() if s > 1) or "one process"
