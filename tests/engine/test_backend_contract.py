@@ -182,3 +182,4 @@ def test_ema_averages_through_local_parameters():
     with ema.swapped(engine):
         averaged = [p.detach().clone() for p in engine.model.parameters()]
     assert all(torch.equal(a, s) for a, s in zip(averaged, ema.shadow))
+
