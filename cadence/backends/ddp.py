@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.local import LocalBackend, default_device
+from cadence.backends.transforms import ModelTransforms, UnitsFn
 from cadence.engine.backend import Domain, ReduceOp
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class DDPBackend(LocalBackend):
         checkpoint: "file": the main process writes one file checkpoint; "dcp": every rank
             writes its part with torch.distributed.checkpoint (`DCPStore`; async saves
             through DCP's own staging, a checkpoint that loads on any number of ranks).
+        compile, activation_checkpointing, units, units_fn: model transforms
+            applied before the DDP wrap, as in `LocalBackend`.
 
     Example:
         >>> import torch, cadence
@@ -80,6 +83,11 @@ class DDPBackend(LocalBackend):
         device: str | None = None,
         precision: str = "fp32",
         checkpoint: str = "file",
+        *,
+        compile: Any = None,
+        activation_checkpointing: Any = None,
+        units: list[str] | None = None,
+        units_fn: UnitsFn | None = None,
     ) -> None:
         if checkpoint not in ("file", "dcp"):
             raise ValueError(f"DDPBackend(checkpoint={checkpoint!r}): expected 'file' or 'dcp'")
@@ -103,6 +111,8 @@ class DDPBackend(LocalBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
+        self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name)
+        self.units_fn = units_fn
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> DDPBackend:
@@ -128,12 +138,13 @@ class DDPBackend(LocalBackend):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.set_precision(self.precision_name, self.device)
+        forward = self.prepare_model(engine)  # checkpointing, compile (cadence.backends.transforms)
         engine.model.to(self.device)
         from torch.nn.parallel import DistributedDataParallel
 
         # DDP broadcasts rank 0's parameters and buffers here: every replica starts equal.
         self._wrapped = DistributedDataParallel(
-            engine.model, device_ids=[self.device] if self.device.type == "cuda" else None, **self.ddp_options
+            forward, device_ids=[self.device] if self.device.type == "cuda" else None, **self.ddp_options
         )
         engine.wrapped_model = self._wrapped
 
