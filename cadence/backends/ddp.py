@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.local import LocalBackend, default_device
+from cadence.backends.transforms import ModelTransforms, UnitsFn
 from cadence.engine.backend import Domain, ReduceOp, StepPlan
 
 if TYPE_CHECKING:
@@ -57,10 +58,14 @@ class DDPBackend(LocalBackend):
         gradient_as_bucket_view: gradients alias DDP's buckets (saves a copy).
         device: None: `cuda:LOCAL_RANK` with NCCL, CPU with gloo.
         precision: "fp32", "bf16" or "fp16" (CUDA), as in `LocalBackend`.
-        checkpoint: "file": the main process writes one file checkpoint.
+        checkpoint: "file": the main process writes one file checkpoint; "dcp": every rank
+            writes its part with torch.distributed.checkpoint (`DCPStore`; async saves
+            through DCP's own staging, a checkpoint that loads on any number of ranks).
         ft: TorchFT fault tolerance across replica groups (`FTConfig` or a
             mapping of its fields); this launch is one replica group, which
             must be one process (`WORLD_SIZE=1`). See docs/fault-tolerance.md.
+        compile, activation_checkpointing, units, units_fn: model transforms
+            applied before the DDP wrap, as in `LocalBackend`.
 
     Example:
         >>> import torch, cadence
@@ -77,6 +82,9 @@ class DDPBackend(LocalBackend):
     """
 
     name = "ddp"
+    #: TorchFT fault tolerance (`ft=`), None without it; a class default, so subclasses that set up
+    #: their own attributes (mesh, DeepSpeed) inherit "none".
+    ft: FaultTolerance | None = None
 
     def __init__(
         self,
@@ -88,13 +96,15 @@ class DDPBackend(LocalBackend):
         device: str | None = None,
         precision: str = "fp32",
         checkpoint: str = "file",
+        *,
         ft: FTConfig | Mapping[str, Any] | None = None,
+        compile: Any = None,
+        activation_checkpointing: Any = None,
+        units: list[str] | None = None,
+        units_fn: UnitsFn | None = None,
     ) -> None:
-        if checkpoint != "file":
-            raise ValueError(
-                f"DDPBackend(checkpoint={checkpoint!r}): only 'file' is supported; "
-                "use the mesh backend for sharded (DCP) checkpoints"
-            )
+        if checkpoint not in ("file", "dcp"):
+            raise ValueError(f"DDPBackend(checkpoint={checkpoint!r}): expected 'file' or 'dcp'")
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"DDPBackend(precision={precision!r}): expected 'fp32', 'bf16' or 'fp16'")
         self.process_group_backend = backend
@@ -115,10 +125,17 @@ class DDPBackend(LocalBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
+        self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name)
+        self.units_fn = units_fn
         self.ft: FaultTolerance | None = None
         if ft is not None:
             from cadence.backends.ft import FaultTolerance, make_config, unsupported
 
+            if checkpoint != "file":
+                raise unsupported(
+                    f"checkpoint={checkpoint!r}",
+                    "per-replica-group data states are written beside file checkpoints; use 'file'",
+                )
             if precision == "fp16":
                 raise unsupported(
                     "precision='fp16'", "the GradScaler's own skips are not voted across groups; use bf16"
@@ -161,6 +178,7 @@ class DDPBackend(LocalBackend):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.set_precision(self.precision_name, self.device)
+        forward = self.prepare_model(engine)  # checkpointing, compile (cadence.backends.transforms)
         engine.model.to(self.device)
         from torch.nn.parallel import DistributedDataParallel
 
@@ -170,10 +188,10 @@ class DDPBackend(LocalBackend):
 
             # TorchFT's DDP: the replica groups start equal when the first quorum heals them.
             self.ft.start(engine, self.rank, self.world_size, self.device.type)
-            self._wrapped = wrap_ddp(self.ft.manager, engine.model, device_ids=device_ids, **self.ddp_options)
+            self._wrapped = wrap_ddp(self.ft.manager, forward, device_ids=device_ids, **self.ddp_options)
         else:
             # DDP broadcasts rank 0's parameters and buffers here: every replica starts equal.
-            self._wrapped = DistributedDataParallel(engine.model, device_ids=device_ids, **self.ddp_options)
+            self._wrapped = DistributedDataParallel(forward, device_ids=device_ids, **self.ddp_options)
         engine.wrapped_model = self._wrapped
 
     def _init_process_group(self) -> None:
@@ -317,7 +335,17 @@ class DDPBackend(LocalBackend):
     # ranks loads on W' ranks, or on one process with the local backend.
 
     def checkpoint_store(self, engine: Engine) -> Any:
-        store = super().checkpoint_store(engine)
+        """The file store (the main process writes), or with checkpoint="dcp" the DCP store (every rank).
+
+        With ft, wrapped in a `ReplicaStore`: one replica group writes the run's
+        checkpoint, every group its own data state beside it.
+        """
+        if self.checkpoint_format == "dcp":
+            from cadence.checkpoint.dcp_store import DCPStore
+
+            store = DCPStore.for_engine(engine)
+        else:
+            store = super().checkpoint_store(engine)
         if self.ft is None:
             return store
         from cadence.checkpoint.replica import ReplicaStore

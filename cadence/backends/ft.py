@@ -172,7 +172,7 @@ def unsupported(what: str, reason: str) -> ValueError:
 
 #: Mesh axes a replica group cannot have under ft: TorchFT replicates whole groups and all-reduces gradients
 #: across them; only the data axes (replicate, shard: FSDP2/HSDP inside a group) fit that.
-UNSUPPORTED_AXES = ("tensor", "pipeline", "context", "expert")
+UNSUPPORTED_AXES = ("tensor", "pipeline", "context", "expert", "expert_tensor")
 
 
 def check_mesh_axes(axes: Mapping[str, int]) -> None:
@@ -184,6 +184,16 @@ def check_mesh_axes(axes: Mapping[str, int]) -> None:
             "a replica group under TorchFT may only shard or replicate its data (replicate, shard axes: FSDP2/HSDP "
             "inside the group); drop ft, or set these axes to 1",
         )
+
+
+def check_mesh(axes: Mapping[str, int]) -> None:
+    """The mesh backend's error for `ft`: tensor/pipeline/context/expert axes, else FSDP2 mode not built yet."""
+    check_mesh_axes(axes)
+    raise unsupported(
+        "the mesh backend",
+        "FSDP2/HSDP inside a replica group (gradients all-reduced across groups through TorchFT's Manager) is not "
+        "supported yet; use the ddp backend with one process per replica group",
+    )
 
 
 def check_deepspeed() -> None:

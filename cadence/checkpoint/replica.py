@@ -63,6 +63,8 @@ class ReplicaStore(CheckpointStore):
         super().__init__(inner.directory)
         self.inner, self.replica_id, self.group_size = inner, replica_id, group_size
         self.collective = inner.collective  # type: ignore[misc]
+        self.background_safe = inner.background_safe  # type: ignore[misc]
+        self.restores_model = inner.restores_model  # type: ignore[misc]
 
     def at(self, directory: Any) -> ReplicaStore:
         other = copy.copy(self)

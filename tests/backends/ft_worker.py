@@ -145,6 +145,11 @@ def wait_for(condition: dict) -> None:
 
 def main() -> None:
     options = json.loads(sys.argv[1])
+    # What setup imports, imported before waiting (seconds under load), so a late start is only the setup.
+    import torch._dynamo
+    import torchdata.stateful_dataloader  # noqa: F401
+    import torchft  # noqa: F401
+
     if options.get("start_after"):
         for condition in options["start_after"]:
             wait_for(condition)
