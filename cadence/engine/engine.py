@@ -455,12 +455,19 @@ class Engine:
         with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
             store = MetricStore()
             self._active_metrics, self._metric_prefix = store, f"{split}."
+            staged = self.backend.eval_forward(self)  # None: the model's own forward
             try:
                 self.fire(Event.ON_EVAL_START)
+                if staged is not None:
+                    store.declare(f"{split}.loss")  # ranks without the loss (pipeline stages) take part
                 for batch in source.epoch_iter(0, fresh=True):
                     self.batch = self._place(batch)
-                    with self.backend.autocast():
-                        metrics = self._eval_metrics(self.batch)
+                    if staged is not None:
+                        self.outputs, loss = staged(self.batch)
+                        metrics = {} if loss is None else {"loss": loss}
+                    else:
+                        with self.backend.autocast():
+                            metrics = self._eval_metrics(self.batch)
                     weight = float(batch_size(self.batch))
                     for name, value in metrics.items():
                         store.log(f"{split}.{name}", value, "mean", weight)
@@ -476,13 +483,26 @@ class Engine:
         return results
 
     def predict(self, data: Any = None) -> list[Any]:
-        """Run the model on every batch of `data` (default: predict data); returns the outputs."""
+        """Run the model on every batch of `data` (default: predict data); returns the outputs.
+
+        Under pipeline parallel only the last stage has outputs: it returns
+        them, the other stages return an empty list (`engine.outputs` is None
+        there in on_predict_batch).
+        """
         source = self._source(data, "predict")
         outputs: list[Any] = []
         with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
+            staged = self.backend.eval_forward(self)  # None: the model's own forward
             self.fire(Event.ON_PREDICT_START)
             for batch in source.epoch_iter(0, fresh=True):
                 self.batch = self._place(batch)
+                if staged is not None:
+                    inputs = self.batch[0] if isinstance(self.batch, (tuple, list)) else self.batch
+                    self.outputs = staged(inputs)[0]
+                    self.fire(Event.ON_PREDICT_BATCH)
+                    if self.outputs is not None:
+                        outputs.append(self.outputs)
+                    continue
                 with self.backend.autocast():
                     inputs = self.batch[0] if isinstance(self.batch, (tuple, list)) else self.batch
                     self.outputs = self.wrapped_model(inputs)
