@@ -295,3 +295,63 @@ def test_bad_pipeline_configs_fail_clearly(case: str, initialized: str, words: l
         assert done == initialized, got  # split problems: raised before any process group exists
     for word in words:
         assert word in message, message
+
+
+# -- pipeline x FSDP2 ------------------------------------------------------------------
+
+
+def fsdp_reference() -> dict:
+    engine = make_engine(
+        Net(), "local", [GradClip(max_norm=0.3)], grad_accum=2, train={"batch_size": 8, "shuffle": False}
+    )
+    engine.fit(steps=8)
+    return {"params": named(engine.model), "val": engine.evaluate()["val.loss"]}
+
+
+def pipeline_fsdp(workdir: str) -> dict:
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    options = {"pipeline": 2, "shard": 2, "units": ["Block"], "timeout": 60}
+    train = {"batch_size": 4, "shuffle": False, "drop_last": True}
+
+    def engine_for(seed: int):
+        return make_engine(Net(seed=seed), MeshBackend(**options), [GradClip(max_norm=0.3)], grad_accum=2, train=train)
+
+    with engine_for(rank) as engine:
+        engine.fit(steps=3)
+        torch.save(build_payload(engine), Path(workdir) / f"rank-{rank}.pt")
+        engine.fit(steps=5)
+        full = {n: p.full_tensor().clone() for n, p in engine.model.named_parameters()}
+        val = engine.evaluate()["val.loss"]
+        sharded = type(engine.model).__name__
+    with engine_for(7) as engine:
+        restore(engine, torch.load(Path(workdir) / f"rank-{rank}.pt", weights_only=False))
+        engine.fit(steps=5)
+        resumed = all(torch.equal(p.full_tensor(), full[n]) for n, p in engine.model.named_parameters())
+        b = engine.backend
+        return {
+            "params": b.all_gather_object(full, domain="optimizer"),
+            "val": b.all_gather_object(val, domain="optimizer"),
+            "resumed": b.all_gather_object(resumed, domain="optimizer"),
+            "sharded": sharded,
+            "data": b.all_gather_object((b.data_rank, b.data_size), domain="optimizer"),
+        }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_2_x_shard_2_on_4_processes_trains_and_resumes(tmp_path: Path) -> None:
+    ref = fsdp_reference()
+    got = launch(pipeline_fsdp, str(tmp_path), nprocs=4, start_method="fork", timeout=280)
+    assert got["sharded"].startswith("FSDP")
+    assert got["data"] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    merged: dict[str, torch.Tensor] = {}
+    for part in got["params"]:
+        merged.update(part)
+    worst = max(float((merged[n] - p).abs().max()) for n, p in ref["params"].items())
+    assert worst < 1e-6, worst
+    assert got["resumed"] == [True] * 4
+    assert got["val"] == [got["val"][0]] * 4
+    assert got["val"][0] == pytest.approx(ref["val"], abs=1e-6)

@@ -263,12 +263,11 @@ class MeshBackend(DDPBackend):
     def _validate_pipeline(self, engine: Engine) -> None:
         """Everything a pipeline axis needs that can be checked before any process group exists."""
         sizes = self.sizes
-        for axis in ("replicate", "shard", "tensor"):
-            if sizes[axis] > 1:
-                raise NotImplementedError(
-                    f"mesh: pipeline={sizes['pipeline']} with {axis}={sizes[axis]} is not supported yet "
-                    f"(this version runs the pipeline axis alone); set {axis}=1"
-                )
+        if sizes["tensor"] > 1:
+            raise NotImplementedError(
+                f"mesh: pipeline={sizes['pipeline']} with tensor={sizes['tensor']} is not supported yet "
+                "(pipeline runs with the data axes, replicate and shard); set tensor=1"
+            )
         if engine.step_fn is not None or engine.loss_fn is None:
             raise ValueError(
                 "mesh: a pipeline computes the loss on its last stage as loss_fn(outputs, targets) over "

@@ -69,9 +69,7 @@ class PipelineConfig:
     """
 
     schedule: str = attrs.field(default="1F1B", validator=_schedule_name)
-    stages_per_rank: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
-    )
+    stages_per_rank: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
     module_fqns_per_model_part: list[list[str]] | None = None
 
     def parts_per_rank(self) -> int:
@@ -254,8 +252,7 @@ class Pipeline:
         prune(model, mine)  # the rank's model: its stages' layers, whole-model FQNs
         self.modules = [model] if len(self.indices) == 1 else [shell(model, split[s]) for s in self.indices]
         stages = [
-            PipelineStage(module, s, self.parts, device, group=group)
-            for s, module in zip(self.indices, self.modules)
+            PipelineStage(module, s, self.parts, device, group=group) for s, module in zip(self.indices, self.modules)
         ]
         self.stages = stages
         cls = getattr(torch_schedules, class_name)
