@@ -323,7 +323,7 @@ def pipeline_fsdp(workdir: str) -> dict:
         engine.fit(steps=3)
         torch.save(build_payload(engine), Path(workdir) / f"rank-{rank}.pt")
         engine.fit(steps=5)
-        full = {n: p.full_tensor().clone() for n, p in engine.model.named_parameters()}
+        full = {n: p.full_tensor().detach().clone() for n, p in engine.model.named_parameters()}
         val = engine.evaluate()["val.loss"]
         sharded = type(engine.model).__name__
     with engine_for(7) as engine:
