@@ -462,6 +462,7 @@ class Engine:
                     store.declare(f"{split}.loss")  # ranks without the loss (pipeline stages) take part
                 for batch in source.epoch_iter(0, fresh=True):
                     self.batch = self._place(batch)
+                    metrics: Mapping[str, Any]
                     if staged is not None:
                         self.outputs, loss = staged(self.batch)
                         metrics = {} if loss is None else {"loss": loss}

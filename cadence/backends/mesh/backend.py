@@ -1,13 +1,16 @@
-"""The mesh backend: FSDP2 / HSDP and tensor parallel on one named `DeviceMesh`.
+"""The mesh backend: FSDP2 / HSDP, tensor and pipeline parallel on one named `DeviceMesh`.
 
 Setup, in this order (see docs/backends.md, "Mesh backend"):
 
 1. Validate, before any process group exists: the axes' product against the
-   world size, axes this version cannot build (pipeline, context, expert), a
+   world size, axes this version cannot build (context, expert), a
    tensor axis without `model.parallelize(mesh)` or a `parallelize` function,
+   a pipeline axis without a valid split (`cadence.backends.mesh.pipeline`),
    `CPUOffloadPolicy` on a machine without an accelerator.
 2. Join the process group; `init_device_mesh` with the named dimensions
-   `("replicate", "shard")`, plus `"tensor"` when it is > 1. The data domain is
+   `("replicate", "shard")`, plus `"pipeline"` (first) and `"tensor"` (last) when
+   they are > 1; with a pipeline, rank 0's whole model is broadcast and each
+   rank keeps its stages' layers (`Pipeline`). The data domain is
    the flattened replicate x shard group; the optimizer domain is the world.
 3. Keep rank 0's full state (to broadcast in 6).
 4. Transforms: parallelize (tensor axis), activation checkpointing, compile

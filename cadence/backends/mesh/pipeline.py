@@ -89,19 +89,20 @@ def resolve_split(
             f"mesh.pipelining: schedule {config.schedule!r} runs one stage per rank, got "
             f"stages_per_rank={config.stages_per_rank}; use Interleaved1F1B or LoopedBFS for several"
         )
+    given: Sequence[Sequence[str]]
     if config.module_fqns_per_model_part is not None:
-        split, where = config.module_fqns_per_model_part, "mesh.pipelining.module_fqns_per_model_part"
+        given, where = config.module_fqns_per_model_part, "mesh.pipelining.module_fqns_per_model_part"
     elif split_fn is not None:
-        split, where = split_fn(model, parts), "the pipeline_split function"
+        given, where = split_fn(model, parts), "the pipeline_split function"
     elif callable(getattr(model, "pipeline_split", None)):
-        split, where = model.pipeline_split(parts), f"{type(model).__name__}.pipeline_split({parts})"  # type: ignore[operator]
+        given, where = model.pipeline_split(parts), f"{type(model).__name__}.pipeline_split({parts})"  # type: ignore[operator]
     else:
         raise ValueError(
             f"mesh: pipeline={size} needs a split of the model into {parts} parts: set "
             "mesh.pipelining.module_fqns_per_model_part (a list of module FQNs per part), pass "
             f"MeshBackend(pipeline_split=fn), or give {type(model).__name__} a pipeline_split(parts) method"
         )
-    split = [list(part) for part in split]
+    split = [list(part) for part in given]
     if len(split) != parts:
         raise ValueError(
             f"{where} has {len(split)} model parts, but pipeline={size} x stages_per_rank="
