@@ -10,9 +10,11 @@ import torch
 from torch.nn import functional as F
 
 import cadence
+from cadence.backends.ddp import DDPBackend
 from cadence.backends.local import LocalBackend
 from cadence.backends.transforms import ActivationCheckpointConfig, apply_activation_checkpointing, find_units
 from cadence.callbacks import Checkpoint
+from cadence.launch import launch
 from tests.conftest import tiny_dataset, tiny_model
 from tests.distributed.test_mesh import Block, Net
 
@@ -21,7 +23,7 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for _, p in sorted(model.named_parameters())])
 
 
-def train(backend, steps: int = 4, model: torch.nn.Module | None = None, callbacks=()) -> cadence.Engine:
+def train(backend, steps: int = 4, model: torch.nn.Module | None = None, callbacks=(), batch_size=8) -> cadence.Engine:
     model = model if model is not None else Net(seed=0)
     engine = cadence.Engine(
         model,
@@ -31,7 +33,7 @@ def train(backend, steps: int = 4, model: torch.nn.Module | None = None, callbac
         backend=backend,
         callbacks=callbacks,
         seed=0,
-        train={"batch_size": 8, "shuffle": False},
+        train={"batch_size": batch_size, "shuffle": False},
     )
     engine.fit(steps=steps)
     return engine
@@ -49,6 +51,20 @@ def test_activation_checkpointing_trains_like_no_checkpointing(checkpointing):
     marked = [getattr(b, "_cadence_checkpointed", False) for b in engine.model.blocks]
     assert marked == ([False, True] if checkpointing.get("every") == 2 else [True, True])
     assert list(engine.model.state_dict()) == list(plain.model.state_dict())  # names unchanged
+
+
+def ddp_with_transforms() -> tuple[torch.Tensor, list[bool]]:
+    backend = DDPBackend(activation_checkpointing={"mode": "selective"}, compile={"enabled": True, "backend": "eager"})
+    with train(backend, batch_size=4) as engine:
+        marks = [b._cadence_checkpointed and b._cadence_compiled for b in engine.model.blocks]
+        return flat(engine.model), marks
+
+
+@pytest.mark.timeout(150)
+def test_ddp_checkpoints_and_compiles_blocks_before_wrapping():
+    params, marks = launch(ddp_with_transforms, nprocs=2, start_method="fork", timeout=140)
+    assert marks == [True, True]
+    torch.testing.assert_close(params, flat(train(LocalBackend(), batch_size=8).model), rtol=0, atol=1e-6)
 
 
 def test_activation_checkpointing_recomputes_in_backward():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch.distributed.checkpoint.state_dict  # imported once here, not in eve
 import torch.distributed.fsdp
 import torch.distributed.tensor.parallel
 from torch.nn import functional as F
+from torch.utils._pytree import tree_map
 
 import cadence
 from cadence.backends.mesh import MeshBackend, MeshConfig
@@ -102,7 +104,8 @@ class Recorder(cadence.Callback):
         self.norms: list[float] = []
 
     def on_fit_start(self, engine) -> None:
-        self.start = flat(engine.model)
+        if self.start is None:  # the first fit's
+            self.start = flat(engine.model)
 
     def on_eval_batch(self, engine) -> None:
         self.eval_batches += 1
@@ -154,6 +157,7 @@ def reference(batch_size: int) -> dict:
         "val": results["val.loss"],
         "skipped": engine.state.skipped_steps,
         "exact": exact,
+        "norm": float(engine.grad_norm),
     }
 
 
@@ -172,9 +176,14 @@ def train_on_mesh(options: dict, workdir: str) -> dict:
             results = engine.evaluate()
             backend = engine.backend
             params = flat(engine.model)
-            shadow = [_full(s) for s in ema.shadow]
+            shadow = [_full(s).clone() for s in ema.shadow]
             local = torch.cat([lp.local.reshape(-1) for lp in backend.local_parameters(engine)])
+            norm = engine.grad_norm
+            restored, keys = _state_round_trip(engine)
             return {
+                "norm": (type(norm).__name__, float(norm)),
+                "restored": restored,
+                "keys": keys,
                 "start": recorder.start,
                 "params": backend.all_gather(params, domain="optimizer"),
                 "locals": backend.all_gather_object(local.clone(), domain="optimizer"),
@@ -186,6 +195,24 @@ def train_on_mesh(options: dict, workdir: str) -> dict:
                 "placements": str(next(engine.model.parameters()).placements),
                 "data": (backend.data_rank, backend.data_size),
             }
+
+
+def _state_round_trip(engine) -> tuple[bool, list[str]]:
+    """Save the state through the backend, train a step, load it back: the parameters are back."""
+    backend = engine.backend
+    clone = partial(tree_map, lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x)
+    model_state = clone(backend.model_state_dict(engine))
+    optimizer_states = clone(backend.optimizer_state_dicts(engine))
+    before = flat(engine.model)
+    engine.fit(steps=1)
+    changed = not torch.equal(flat(engine.model), before)
+    backend.load_model_state_dict(engine, model_state)
+    backend.load_optimizer_state_dicts(engine, optimizer_states)
+    same_step = all(
+        float(state["step"]) == float(optimizer_states[0]["state"][name]["step"])
+        for name, state in backend.optimizer_state_dicts(engine)[0]["state"].items()
+    )
+    return changed and same_step and torch.equal(flat(engine.model), before), sorted(optimizer_states[0]["state"])
 
 
 def per_step(path: Path) -> dict[int, int]:
@@ -209,6 +236,10 @@ def test_mesh_trains_like_one_process(tmp_path, options, placement):
     got = launch(train_on_mesh, options, str(tmp_path), nprocs=2, start_method="fork", timeout=100)
     ref = reference(batch_size=4)
     assert got["placements"] == placement
+    # State through torch.distributed.checkpoint.state_dict: plain names, loads back in place.
+    assert got["restored"] and got["keys"] == sorted(n for n, _ in Net().named_parameters())
+    # GradClip's norm is a plain tensor over every shard.
+    assert got["norm"][0] == "Tensor" and got["norm"][1] == pytest.approx(ref["norm"], rel=1e-5)
     # Ranks seeded differently start from rank 0's parameters.
     torch.testing.assert_close(got["start"], ref["start"], rtol=0, atol=0)
     # Equal to one process, and equal to each other bit for bit.
@@ -333,6 +364,13 @@ def test_axes_not_built_yet_are_errors_not_ignored(monkeypatch):
     for axis in ("context", "expert", "expert_tensor"):  # pipeline: tests/distributed/test_pipeline.py
         message = _setup_error(monkeypatch, 2, shard=1, **{axis: 2})
         assert f"{axis}=2 is not supported yet" in message
+
+
+def test_unknown_unit_classes_and_checkpointing_without_blocks_fail_before_any_group(monkeypatch):
+    assert "no module of class ['Blok']" in _setup_error(monkeypatch, 2, shard=2, units=["Blok"])
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    message = _setup_error(monkeypatch, 2, model=plain, shard=2, activation_checkpointing={"mode": "full"})
+    assert "needs the model's blocks" in message
 
 
 def test_cpu_offload_policy_without_an_accelerator_is_a_clear_error(monkeypatch):
