@@ -90,6 +90,10 @@ class TrainMetrics(Callback):
     checkpoint saves in that gap are not counted. Throughput divides the
     interval's samples by its step plus data-wait time.
 
+    Where `engine.loss` is None (pipeline stages before the last), nothing is
+    kept and `loss` is declared, so the reduction (which takes the last
+    stage's values on every stage) finds the same names everywhere.
+
     Order: `Order.METRICS` (80), after the callbacks that change the step and
     before the sinks (`Order.LOGGER`), which read `engine.logged` in `on_log`.
 
