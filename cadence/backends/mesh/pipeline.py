@@ -38,6 +38,9 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
     "1f1b": ("Schedule1F1B", 1, "loop"),
     "interleaved1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
     "loopedbfs": ("ScheduleLoopedBFS", 2, "loop"),
+    "interleavedzerobubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zbvzerobubble": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
 
 
@@ -48,7 +51,7 @@ def _schedule_name(instance: Any, attribute: Any, value: str) -> None:
     if value.lower() not in SCHEDULES:
         raise ValueError(
             f"mesh.pipelining.schedule={value!r} is not a known schedule; choose one of "
-            "GPipe, 1F1B, Interleaved1F1B, LoopedBFS"
+            "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"
         )
 
 
@@ -57,11 +60,13 @@ class PipelineConfig:
     """How the mesh's `pipeline` axis splits and schedules the model.
 
     Attributes:
-        schedule: GPipe, 1F1B (default), Interleaved1F1B or LoopedBFS
-            (`torch.distributed.pipelining`'s schedules; the last two hold
-            several stages per rank).
+        schedule: GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS,
+            InterleavedZeroBubble, ZBVZeroBubble or DualPipeV
+            (`torch.distributed.pipelining`'s schedules; all but the first two
+            hold several stages per rank, the last two V-shaped: rank r holds
+            stages r and 2 x pipeline - 1 - r, the last stage on rank 0).
         stages_per_rank: model parts per pipeline rank (None: 1 for GPipe and
-            1F1B, 2 for the interleaved ones).
+            1F1B, 2 for the others; V-shaped schedules need 2).
         module_fqns_per_model_part: the module FQNs of each model part, in
             pipeline order (`[["tok_embeddings", "layers.0"], ["layers.1",
             "norm", "output"]]`); None: the backend's `pipeline_split`
@@ -87,7 +92,7 @@ def resolve_split(
     if single and config.parts_per_rank() != 1:
         raise ValueError(
             f"mesh.pipelining: schedule {config.schedule!r} runs one stage per rank, got "
-            f"stages_per_rank={config.stages_per_rank}; use Interleaved1F1B or LoopedBFS for several"
+            f"stages_per_rank={config.stages_per_rank}; use Interleaved1F1B (or another multi-stage schedule) for several"
         )
     given: Sequence[Sequence[str]]
     if config.module_fqns_per_model_part is not None:
