@@ -321,12 +321,13 @@ class MeshBackend(DDPBackend):
         # can abort the process there ("terminate called without an active
         # exception", 1-2 runs in 10 under torchrun). Destroy the groups, then let go
         # of those references while the interpreter is fully alive.
+        # A group the user created stays theirs, and so does what uses it.
         holders = [module for module, _ in self._fsdp_modules]
-        mesh = self.mesh
+        mesh, destroyed = self.mesh, self.created_group
         self.pipeline = None
         self._root, self._fsdp_modules, self.mesh, self.data_group = None, [], None, None
         super().teardown()
-        if self.world_size > 1:
+        if destroyed:
             _release_groups(holders, mesh)
 
     # -- the step ---------------------------------------------------------
