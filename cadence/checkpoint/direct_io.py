@@ -82,7 +82,7 @@ def image_of(tensors: list[torch.Tensor], offsets: list[int], size: int) -> torc
         return None
     length = -(-size // ALIGN) * ALIGN
     start = storage.data_ptr()
-    inside = any(s <= base and base + length <= s + n for s, n in _images.items())
+    inside = any(s <= base and base + length <= s + n for s, n in list(_images.items()))  # (a copy: GC may edit)
     if not inside or base + length > start + storage.nbytes():
         return None
     return torch.empty(0, dtype=torch.uint8).set_(storage, base - start, (length,))
