@@ -27,9 +27,13 @@ Every figure is a ratio within one run, per repeat, reported as the median and t
   batch of 16, torch's threads as for the sync part): the time `Checkpoint.save` blocks
   the loop, from the second save of a run on (against the sync save of the same repeat);
   the first save of a run, staging buffers reserved at the first step's end as in
-  `Engine.fit` (and, for information, without: a save before any step); the mean time of
+  `Engine.fit` and faulted in while training goes on (how long that took is printed), and,
+  for information, without: a save before any step, as every first save was before; the mean time of
   the steps that start while the background write runs, over the median of the steps just
   before the save (each write is one sample);
+- the background write's CPU time (all threads, user + system, nothing else running in the
+  process) per GB: what the steps lose to it when the loop keeps every core busy; a figure
+  that load elsewhere on the machine changes little, unlike the step ratio;
 - the checksum's cost: seconds per GB, one thread, over bytes in memory.
 
 Each sync measure and its reference run as a pair, in alternating order, so that a slow
@@ -50,11 +54,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -167,7 +173,7 @@ def run(root: Path, source: Path, args: argparse.Namespace) -> None:
     keys = ("save", "dd_write", "dd_zero", "restore", "dd_read", "read_new")
     keys += ("async", "first", "first_unreserved", "normal_step", "step_ratio", "dcp_blocked", "dcp_step_ratio", "hash")
     keys += ("buffered_async", "buffered_first", "buffered_first_unreserved", "buffered_normal_step")
-    keys += ("buffered_step_ratio",)
+    keys += ("buffered_step_ratio", "writer_cpu", "buffered_writer_cpu", "reserve", "buffered_reserve")
     results: dict[str, list[float]] = {k: [] for k in keys}
     model, optimizer = build_model(args.params)
     size = measure_sync(model, optimizer, root, source, args, results)
@@ -178,6 +184,7 @@ def run(root: Path, source: Path, args: argparse.Namespace) -> None:
             measure_async(model, optimizer, root, args, results, prefix="buffered_")
         finally:
             direct_io.O_DIRECT = direct
+    if args.dcp:
         measure_dcp(model, optimizer, root, args, results)
     measure_hash(results, args.repeats)
     median = {k: statistics.median(v) for k, v in results.items() if v}
@@ -221,7 +228,10 @@ def run(root: Path, source: Path, args: argparse.Namespace) -> None:
             f"{'steps during DCP async_save':27} {'':7} {'':6}   {'the steps just before':27} {'':7} {'':6}   "
             f"{spread(results['dcp_step_ratio']):17} (info; blocked {spread(results['dcp_blocked'])} s)"
         )
+    print(f"staging reserve faulted in, in the background, while training: {spread(results['reserve'])} s")
     print(f"checksum ({file_io.TensorChecksum.ALGORITHM}): {spread(results['hash'])} s per GB, one thread")
+    print(f"background write, CPU time of all threads: {spread(results['writer_cpu'])} s per GB", end="")
+    print(f"; written buffered {spread(results['buffered_writer_cpu'])}" if results["buffered_writer_cpu"] else "")
     print("\nall runs:", {k: [round(x, 3) for x in v] for k, v in results.items() if v})
 
 
@@ -316,6 +326,20 @@ def steps_while(step: Callable[[], float], pending: Callable[[], bool]) -> list[
     return times
 
 
+def reserving() -> bool:
+    """Whether the staging reserve is still being faulted in (by its thread)."""
+    return any(thread.name == "cadence-staging-prefault" for thread in threading.enumerate())
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def checkpoint_bytes(checkpoint: Checkpoint) -> int:
+    return sum(f["size"] for f in checkpoint.store.manifest("latest")["files"].values())
+
+
 def saver(engine: cadence.Engine, checkpoint: Checkpoint) -> Callable[[], None]:
     return lambda: checkpoint.save(engine)
 
@@ -335,9 +359,15 @@ def measure_async(model, optimizer, root: Path, args: argparse.Namespace, result
         engine, checkpoint = build(model, optimizer, folder, "async")
         step()
         engine.fire(cadence.Event.ON_STEP_END)  # as Engine.fit: the first step end reserves the staging
+        # Training goes on while a low-priority thread faults the reserve in; a run's first save usually comes
+        # much later than that takes (seconds: it yields to the loop's threads). Up to 60 s of steps here.
+        start = time.perf_counter()
+        while reserving() and time.perf_counter() - start < 60:
+            step()
+        results[prefix + "reserve"].append(time.perf_counter() - start)
         for save in range(3):
             quiesce(root, checkpoint)
-            normal = statistics.median(step() for _ in range(NORMAL_STEPS + (4 if save == 0 else 0)))
+            normal = statistics.median(step() for _ in range(NORMAL_STEPS))
             engine.state.step += 1
             blocked = timed(saver(engine, checkpoint))
             during = steps_while(step, writing(checkpoint))
@@ -346,6 +376,16 @@ def measure_async(model, optimizer, root: Path, args: argparse.Namespace, result
             results[prefix + "normal_step"].append(normal)
             if during:  # a write shorter than a step is not a sample
                 results[prefix + "step_ratio"].append(statistics.mean(during) / normal)
+        # The background write's CPU time, all threads, with nothing else running in this process: what the
+        # steps lose to it on a machine whose cores the loop keeps busy. Unlike the step ratio, load elsewhere
+        # on the machine changes this one little.
+        quiesce(root, checkpoint)
+        engine.state.step += 1
+        checkpoint.save(engine)
+        before = cpu_seconds()
+        checkpoint.wait()
+        checkpoint.store.wait()  # the removal of the superseded checkpoint counts too
+        results[prefix + "writer_cpu"].append((cpu_seconds() - before) / (checkpoint_bytes(checkpoint) / 1e9))
         checkpoint.on_teardown(engine)
         # For information: the first save of a run that never reached a step end (nothing reserved).
         engine, checkpoint = build(model, optimizer, folder, "async")
