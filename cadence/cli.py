@@ -309,7 +309,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"step        {manifest.get('step')} (from the manifest)")
         return 1
     print(
-        f"manifest    ok: {len(files)} files, {_size(total)}, sizes and CRC-32 match (created {manifest.get('created')})"
+        f"manifest    ok: {len(files)} files, {_size(total)}, sizes and XXH3-64 checksums match (created {manifest.get('created')})"
     )
     payload = store.read(name)
     print("\n".join(_describe(payload)))

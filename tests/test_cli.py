@@ -251,7 +251,7 @@ def test_inspect_shows_step_config_tensors_callbacks_and_a_good_manifest(tmp_pat
     out = done.stdout
     fields = {line[:12].strip(): line[12:].strip() for line in out.splitlines() if not line.startswith(" ")}
     assert fields["checkpoint"] == str(folder)
-    assert fields["manifest"].startswith("ok: 4 files") and "CRC-32 match" in fields["manifest"]
+    assert fields["manifest"].startswith("ok: 4 files") and "XXH3-64 checksums match" in fields["manifest"]
     assert fields["step"] == "8" and fields["epoch"].startswith("2")
     assert fields["callbacks"] == "Checkpoint"
     assert fields["model"].startswith("4 tensors, 212 elements") and "float32, float64" in fields["model"]

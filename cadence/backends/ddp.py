@@ -196,16 +196,20 @@ class DDPBackend(LocalBackend):
         gather(out, tensor.reshape(-1), group=self.group)
         return out.view(self.world_size, *tensor.shape)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable `obj`, in rank order."""
+    def all_gather_object(self, obj: Any, domain: Domain = "data") -> list[Any]:
+        """Every rank's picklable `obj`, in rank order (both domains are the world)."""
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0, domain: Domain = "optimizer") -> Any:
         holder = [obj]
         dist.broadcast_object_list(holder, src=src, group=self.group)
         return holder[0]
+
+    def process_group(self, domain: Domain = "data") -> Any:
+        """The world group: DDP's data and optimizer domains are both every rank."""
+        return self.group
 
     def barrier(self, timeout: float | None = None) -> None:
         """Wait for every rank; on gloo, a rank missing after `timeout` s is named in the error."""

@@ -112,15 +112,26 @@ class LocalBackend(Backend):
             for optimizer in engine.optimizers:
                 self.scaler.unscale_(optimizer)
 
-    def optimizer_step(self, engine: Engine) -> None:
+    def optimizer_step(self, engine: Engine) -> bool | None:
         scaler = self.scaler
         if scaler is None:
             for optimizer in engine.optimizers:
                 optimizer.step()
-            return
+            return None
+        # The scaler skips a step whose gradients overflowed and then lowers its
+        # scale: a lower scale after update() is how that skip is seen (the
+        # scaler's step already read its overflow flag to the host, so reading
+        # the scale adds no sync that matters). Reported as not applied.
+        before = scaler.get_scale()
         for optimizer in engine.optimizers:
             scaler.step(optimizer)
         scaler.update()
+        return False if scaler.get_scale() < before else None
+
+    @property
+    def checks_gradients_itself(self) -> bool:
+        """True with fp16: the GradScaler skips steps whose gradients overflowed."""
+        return self.scaler is not None
 
     def skip_step(self, engine: Engine) -> None:
         # finish_gradients unscaled this step's gradients; the scaler refuses the

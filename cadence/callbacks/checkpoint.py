@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 import torch
 
-from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, restore
-from cadence.checkpoint.store import CheckpointError, CheckpointStore
+from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, locate, restore
+from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
 from cadence.checkpoint.writer import AsyncWriter, Job, staged_size
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
@@ -93,12 +93,15 @@ class SavedCheckpoint:
 class Checkpoint(Callback):
     """Saves checkpoints and applies the launch modes (resume > auto_resume > pretrained).
 
-    Saves `latest` every `interval` (with a history snapshot), when a `save`
-    (or `preempt`) request is agreed, and when fit ends; `best` when
-    `save_best` is set and the score improves. The launch mode is applied in
-    `on_setup`, once, before the first run; `on_load` fires after a restore
-    and `on_save` after each commit (for async saves: on the loop thread, at
-    the first step end after the commit, or at teardown).
+    Saves at the loop's save point (`on_save_point`: after each step's
+    logging and evaluation, and after each epoch's evaluation and
+    `on_epoch_end`), so a checkpoint holds everything that evaluation changed:
+    `latest` every `interval` (with a history snapshot), when a `save` (or
+    `preempt`) request is agreed, and when fit ends; `best` (at the next save
+    point) when `save_best` is set and the score improved. The launch mode is
+    applied in `on_setup`, once, before the first run; `on_load` fires after a
+    restore and `on_save` after each commit (for async saves: on the loop
+    thread, at the first save point after the commit, or at teardown).
 
     Order: `Order.CHECKPOINT` (100): after every state-changing callback, so
     a checkpoint holds the step's final state; before `Preemption`.
@@ -126,9 +129,13 @@ class Checkpoint(Callback):
         self.last_saved: SavedCheckpoint | None = None
         self._writer: AsyncWriter | None = None
         self._reserving: Any = None  # the handle of `_reserve_staging` until it runs
-        self._writes = False
+        self._writes = False  # this rank calls the store's write (the main rank; every rank for collective stores)
+        self._main = True
+        self._collective = False  # a collective store on more than one rank
         self._fitting = False
-        self._last_key: tuple[int, int, int] | None = None
+        self._last_key: tuple[int, int, int, int] | None = None
+        self._evaluations = 0  # evaluations seen: part of the key that tells a new state from a saved one
+        self._best_due = False  # the score improved since the last save point
         self._step_interval = 0
         self._epoch_interval = 0
         self._save_slot = 2
@@ -148,12 +155,37 @@ class Checkpoint(Callback):
 
     def _bind(self, engine: Engine) -> None:
         directory = Path(self.config.dir) if self.config.dir else engine.run_dir / "checkpoints"
-        self.store = engine.backend.checkpoint_store(engine).at(directory)
-        self._writes = self.store.all_ranks_write or engine.backend.is_main
-        if self._writes:
-            removed = self.store.sweep()
+        backend = engine.backend
+        self.store = backend.checkpoint_store(engine).at(directory)
+        self._main = backend.is_main
+        self._collective = self.store.collective and backend.world_size > 1
+        self._writes = self.store.collective or self._main
+
+        def sweep() -> None:
+            with store_errors("sweeping leftovers of interrupted writes", directory):
+                removed = self.store.sweep()
             if removed:
                 logger.info("checkpoint: removed leftovers of interrupted writes in %s: %s", directory, removed)
+
+        self._main_only(sweep)
+
+    def _main_only(self, work: Any) -> None:
+        """Run `work` on the main rank; for a collective store every rank then waits at the store's barrier.
+
+        The main rank's error is raised after the barrier, so the other ranks are not left waiting.
+        """
+        error: BaseException | None = None
+        if self._main:
+            try:
+                work()
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:
+                error = exc
+        if self._collective:
+            self.store.barrier()
+        if error is not None:
+            raise error
 
     def on_setup(self, engine: Engine) -> None:
         self._bind(engine)
@@ -171,19 +203,33 @@ class Checkpoint(Callback):
             self._load_pretrained(engine)
 
     def _auto_resume(self, engine: Engine) -> bool:
-        """Restore the newest complete checkpoint of this run; False if there is none."""
+        """Restore the newest complete checkpoint of this run; False if there is none.
+
+        The main rank picks: a collective store's candidates are checked with
+        `manifest` and `verify` only (its `read` is a collective), a file
+        store's are read (the read verifies, and the pick's payload is kept).
+        The pick is broadcast, then every other rank reads it (a collective
+        store: every rank together), and the ranks agree that every read
+        succeeded.
+        """
         backend, store = engine.backend, self.store
         picked, payload, problems = None, None, []
         if backend.is_main:
             for name in self._candidates():
                 try:
-                    payload = store.read(name)
+                    with store_errors("checking", store.path(name)):
+                        if store.collective:
+                            store.manifest(name)
+                            store.verify(name)
+                        else:
+                            payload = store.read(name)
                 except CheckpointError as exc:
                     problems.append(str(exc))
                     continue
                 picked = name
                 break
-        picked, problems = backend.broadcast_object((picked, problems))
+        if backend.world_size > 1:
+            picked, problems = backend.broadcast_object((picked, problems))
         if picked is None:
             if problems:
                 raise CheckpointError(
@@ -198,10 +244,32 @@ class Checkpoint(Callback):
             logger.warning(
                 "auto_resume: falling back to the previous complete checkpoint %r: %s", picked, " | ".join(problems)
             )
-        if payload is None:
-            payload = store.read(picked)
+        payload = self._read_everywhere(engine, picked, payload)
         restore(engine, payload, strict=self.config.strict, source=str(store.path(picked)))
         return True
+
+    def _read_everywhere(self, engine: Engine, name: str, payload: dict[str, Any] | None) -> dict[str, Any]:
+        """`name`'s payload on every rank (read where not given); an error on any rank is raised on every rank."""
+        backend, store = engine.backend, self.store
+        error: CheckpointError | None = None
+        if payload is None:
+            try:
+                with store_errors("reading", store.path(name)):
+                    payload = store.read(name)
+            except CheckpointError as exc:
+                error = exc
+        if backend.world_size > 1:
+            failed = [
+                (rank, text)
+                for rank, text in enumerate(backend.all_gather_object(error and str(error), domain="optimizer"))
+                if text
+            ]
+            if failed and error is None:
+                error = CheckpointError(f"rank {failed[0][0]} could not read it: {failed[0][1]}", path=store.path(name))
+        if error is not None:
+            raise error
+        assert payload is not None
+        return payload
 
     def _candidates(self) -> list[str]:
         """`latest`, then history snapshots newest first (present even when damaged)."""
@@ -229,8 +297,9 @@ class Checkpoint(Callback):
             state = obj.get("model", obj.get("state_dict", obj)) if isinstance(obj, Mapping) else obj
             step = None
         else:
-            store, name = self.store.locate(path)
-            payload = store.read(name, keys=["model"])
+            store, name = locate(engine, self.store, path)
+            with store_errors("reading pretrained weights", store.path(name)):
+                payload = store.read(name, keys=["model"])
             state, step = payload["model"], payload.get("meta", {}).get("step")
         if not isinstance(state, Mapping):
             raise CheckpointError(f"pretrained weights must be a state dict, got {type(state).__name__}", path=path)
@@ -248,7 +317,7 @@ class Checkpoint(Callback):
                     "checkpoint: registered after the engine's first run; resume, auto_resume and "
                     "pretrained apply only in on_setup (use Engine.from_checkpoint)"
                 )
-        self._fitting = True
+        self._fitting, self._best_due = True, False
         config, (target_step, target_epoch) = self.config, engine.fit_target
         unit = config.unit
         if unit == "auto":
@@ -263,7 +332,8 @@ class Checkpoint(Callback):
         self._preempt_slot = engine.requests.index.get("preempt")
         if config.async_mode == "async" and self._writes:
             if self._writer is None:
-                self._writer = AsyncWriter(self._commit)
+                # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
+                self._writer = AsyncWriter(self._commit, supersede=not self._collective)
             self._writer.start()
             if self._reserving is None and not self._writer.staged:
                 self._reserving = engine.on(Event.ON_STEP_END)(self._reserve_staging)
@@ -283,36 +353,30 @@ class Checkpoint(Callback):
         if self._writer is not None:
             self._writer.reserve(staged_size(like), pin=any(p.is_cuda for p in model.parameters()))
 
-    def on_step_end(self, engine: Engine) -> None:
+    def on_save_point(self, engine: Engine) -> None:
+        # Fired after the step's (or the epoch's) evaluation and agreement: what
+        # is saved here is the state an uninterrupted run goes on from.
         writer = self._writer
         if writer is not None and (writer.done or writer.error is not None):
             self._collect(engine)
-        agreed = engine.requests.agreed
+        state, agreed = engine.state, engine.requests.agreed
         forced = agreed[self._save_slot]
         slot = self._preempt_slot
         if slot is None:  # Preemption may register its request after this callback started
             slot = self._preempt_slot = engine.requests.index.get("preempt")
         if slot is not None and agreed[slot]:
             forced = 1
-        interval, step = self._step_interval, engine.state.step
-        if interval and step % interval == 0:
-            self._save(engine, history=f"ckpt-s{step:012d}", reason="interval")
-        elif forced:
-            self._save(engine, reason="requested")
-
-    def on_epoch_start(self, engine: Engine) -> None:
-        # A save or preemption agreed at the last epoch end (after on_epoch_end) is seen here.
-        slot = self._preempt_slot
-        if engine.requests.agreed[self._save_slot] or (slot is not None and engine.requests.agreed[slot]):
-            self._save(engine, reason="requested")
-
-    def on_epoch_end(self, engine: Engine) -> None:
-        epoch, interval = engine.state.epoch, self._epoch_interval
-        history = f"ckpt-e{epoch:06d}" if interval and epoch % interval == 0 else None
-        if history:
-            self._save(engine, history=history, reason="interval")
+        if state.batch_in_epoch:  # a step's save point
+            interval, count, history = self._step_interval, state.step, f"ckpt-s{state.step:012d}"
+        else:  # the epoch's (batch_in_epoch was reset when the epoch ended)
+            interval, count, history = self._epoch_interval, state.epoch, f"ckpt-e{state.epoch:06d}"
+        periodic = bool(interval) and count % interval == 0
+        if periodic or forced or self._best_due:
+            reason = "interval" if periodic else "requested" if forced else "best"
+            self._save(engine, history=history if periodic else None, best=self._best_due, reason=reason)
 
     def on_eval_end(self, engine: Engine) -> None:
+        self._evaluations += 1  # an evaluation changes state (best, schedulers, early stopping): a new save
         config = self.config
         if not (self._fitting and config.save_best):
             return
@@ -331,11 +395,11 @@ class Checkpoint(Callback):
         if not improved:
             return
         self.best_score, self.best_step = score, engine.state.step
-        self._save(engine, best=True, reason="best")
+        self._best_due = True  # saved at the save point, with what the rest of the step changes
 
     def on_fit_end(self, engine: Engine) -> None:
-        if self.config.save_on_fit_end:
-            self._save(engine, reason="end of fit")
+        if self.config.save_on_fit_end or self._best_due:
+            self._save(engine, best=self._best_due, reason="end of fit")
         self._fitting = False
 
     def on_teardown(self, engine: Engine) -> None:
@@ -368,7 +432,7 @@ class Checkpoint(Callback):
 
     def _save(self, engine: Engine, *, history: str | None = None, best: bool = False, reason: str) -> None:
         state = engine.state
-        key = (state.step, state.epoch, state.batch_in_epoch)
+        key = (state.step, state.epoch, state.batch_in_epoch, self._evaluations)
         ema = _ema_for_best(engine) if best else None
         links = tuple(n for n in (history, "best" if best and ema is None else None) if n)
         fresh = key != self._last_key  # a save at the same state only adds names to `latest`
@@ -390,12 +454,22 @@ class Checkpoint(Callback):
                 error = exc
             if self._writer is None and backend.world_size > 1:
                 backend.barrier(self.config.barrier_timeout)  # the others wait for the main process
-                status = backend.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+                status = None if error is None else f"{type(error).__name__}: {error}"
+                if self._collective:  # every rank wrote: any of them may have failed
+                    failed = [(r, s) for r, s in enumerate(backend.all_gather_object(status, domain="optimizer")) if s]
+                    status = f"rank {failed[0][0]}: {failed[0][1]}" if failed else None
+                else:
+                    status = backend.broadcast_object(status)
                 if status is not None and error is None:
-                    error = CheckpointError(f"the main process failed to save: {status}", step=state.step)
+                    who = "a rank" if self._collective else "the main process"
+                    error = CheckpointError(
+                        f"{who} failed to save: {status}", path=self.store.directory, step=state.step
+                    )
         if error is not None:
             raise error
         self._last_key = key
+        if best:
+            self._best_due = False
         for job in done:
             self._committed(engine, job)
 
@@ -408,12 +482,21 @@ class Checkpoint(Callback):
             done.append(job)
 
     def _commit(self, job: Job) -> None:
-        """Write and name one job (in the loop, or in the writer thread)."""
+        """Write and name one job (in the loop, or in the writer thread); store errors become `CheckpointError`.
+
+        A collective store's `write` runs on every rank; naming and retention
+        on the main rank, then every rank waits at the store's barrier.
+        """
         store = self.store
-        if job.payload is not None and job.primary is not None:
-            store.write(job.primary, job.payload)
+        with store_errors(f"saving {list(job.names)}", store.path(job.names[0] if job.names else "latest"), job.step):
+            if job.payload is not None and job.primary is not None:
+                store.write(job.primary, job.payload)
+            if job.links:
+                self._main_only(lambda: self._name(job))
+
+    def _name(self, job: Job) -> None:
         for name in job.links:
-            store.link("latest", name)
+            self.store.link("latest", name)
         if any(name.startswith("ckpt-") for name in job.links):
             self._prune()
 

@@ -78,6 +78,8 @@ class EMA(Callback):
         self.started = False
         self.updates = 0
         self._params: list[torch.Tensor] = []
+        self._locals: list[torch.Tensor] = []  # this rank's part of each parameter (see Backend.local_parameters)
+        self._shadow_locals: list[torch.Tensor] = []
         self._pending: dict[str, Any] | None = None
         self._backup: list[torch.Tensor] | None = None
 
@@ -91,9 +93,12 @@ class EMA(Callback):
     def _ensure(self, engine: Engine) -> bool:
         """Bind to the model's parameters and build the shadow; False if there is none yet."""
         if not self._params:
-            named = [(n, p) for n, p in engine.model.named_parameters() if p.requires_grad]
-            self.names = [n for n, _ in named]
-            self._params = [p for _, p in named]
+            # This rank's part of each parameter (the parameter itself on one process and DDP,
+            # a DTensor's local shard on a mesh): the fused ops below run on plain tensors.
+            local = engine.backend.local_parameters(engine)
+            self.names = [lp.name for lp in local]
+            self._params = [lp.param for lp in local]
+            self._locals = [lp.local for lp in local]
         if self._pending is not None:
             self._load(self._pending)
             self._pending = None
@@ -108,9 +113,8 @@ class EMA(Callback):
                 f"(missing: {missing[:5]}, unexpected: {unexpected[:5]}); load a checkpoint of the same model"
             )
         with torch.no_grad():
-            self.shadow = [
-                shadow[n].detach().to(device=p.device, dtype=p.dtype).clone() for n, p in zip(self.names, self._params)
-            ]
+            self.shadow = [_like(shadow[n], p, local) for n, p, local in zip(self.names, self._params, self._locals)]
+        self._shadow_locals = [_local_view(s) for s in self.shadow]
 
     def on_fit_start(self, engine: Engine) -> None:
         self._ensure(engine)
@@ -119,7 +123,14 @@ class EMA(Callback):
 
     def _start(self) -> None:
         with torch.no_grad():
-            self.shadow = [p.detach().clone() for p in self._params]
+            # The shadow keeps the parameters' own type (DTensors on a mesh, so it reshards with
+            # a checkpoint); a part the backend keeps outside the parameter (a DeepSpeed partition)
+            # is averaged as that part.
+            self.shadow = [
+                (p if local is p or _is_distributed(p) else local).detach().clone()
+                for p, local in zip(self._params, self._locals)
+            ]
+        self._shadow_locals = [_local_view(s) for s in self.shadow]
         self.started = True
 
     # -- updating ---------------------------------------------------------
@@ -132,7 +143,7 @@ class EMA(Callback):
             self._start()
             return
         with torch.no_grad():
-            torch._foreach_lerp_(self.shadow, self._params, 1.0 - self.config.decay)
+            torch._foreach_lerp_(self._shadow_locals, self._locals, 1.0 - self.config.decay)
         self.updates += 1
 
     # -- swapping ---------------------------------------------------------
@@ -142,8 +153,8 @@ class EMA(Callback):
         if self._backup is not None or not self._ensure(engine):
             return False
         with torch.no_grad():
-            self._backup = [p.detach().clone() for p in self._params]
-            torch._foreach_copy_(self._params, self.shadow)
+            self._backup = [local.detach().clone() for local in self._locals]
+            torch._foreach_copy_(self._locals, self._shadow_locals)
         return True
 
     def swap_out(self, engine: Engine | None = None) -> None:
@@ -151,7 +162,7 @@ class EMA(Callback):
         if self._backup is None:
             return
         with torch.no_grad():
-            torch._foreach_copy_(self._params, self._backup)
+            torch._foreach_copy_(self._locals, self._backup)
         self._backup = None
 
     @contextlib.contextmanager
@@ -198,3 +209,25 @@ class EMA(Callback):
             self._load(shadow)
         else:  # not bound to the model yet: build when it is
             self._pending = dict(shadow)
+
+
+def _is_distributed(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local")  # a DTensor
+
+
+def _local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding this rank's part of `tensor` (a DTensor's shard; else itself)."""
+    return tensor.to_local() if _is_distributed(tensor) else tensor
+
+
+def _like(saved: torch.Tensor, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A saved average placed like the parameter it averages (a full tensor is sharded like a DTensor one)."""
+    if _is_distributed(param):
+        if _is_distributed(saved):
+            return saved.detach().to(dtype=param.dtype).clone()
+        from torch.distributed.tensor import distribute_tensor
+
+        full = saved.detach().to(device=local.device, dtype=param.dtype)
+        return distribute_tensor(full, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+    target = param if local is param else local
+    return saved.detach().to(device=target.device, dtype=target.dtype).clone()

@@ -79,9 +79,12 @@ class NonFiniteSkip(Callback):
     through the gradient all-reduce; then the lowest rank).
 
     Steps are numbered from 1 (the N-th optimizer step ends with
-    `engine.state.step == N`). With fp16 and a GradScaler, overflowing
-    gradients are the scaler's job (it skips and lowers its scale); only the
-    loss is checked then.
+    `engine.state.step == N`). Gradients are this rank's parts
+    (`backend.local_gradients`: DTensor shards on a mesh). When the backend's
+    optimizer step skips overflowing gradients itself
+    (`backend.checks_gradients_itself`: fp16 with a GradScaler, DeepSpeed
+    ZeRO >= 1), only the loss is checked, and such a skip is counted by the
+    loop like an agreed one.
 
     Order: `Order.NON_FINITE` (10), before clipping (which would spread a NaN
     into every gradient).
@@ -106,7 +109,7 @@ class NonFiniteSkip(Callback):
         self.total = 0
         #: The last skip: its step, the rank that saw it first, and "loss" or "gradient".
         self.last: dict[str, Any] | None = None
-        self._params: list[torch.Tensor] = []
+        self._backend: Any = None
         self._losses: list[torch.Tensor] = []
         self._check_gradients = self.config.check_gradients
         self._rank, self._world = 0, 1
@@ -116,12 +119,16 @@ class NonFiniteSkip(Callback):
 
     def on_fit_start(self, engine: Engine) -> None:
         engine.requests.register(_REQUEST)
-        self._rank, self._world = engine.backend.rank, engine.backend.world_size
-        self._params = [p for p in engine.model.parameters() if p.requires_grad]
-        scaler = getattr(getattr(engine.backend, "precision", None), "scaler", None)
-        self._check_gradients = self.config.check_gradients and scaler is None
-        if self.config.check_gradients and scaler is not None:
-            logger.info("NonFiniteSkip: fp16 GradScaler in use; it handles gradient overflow, checking the loss only")
+        backend = engine.backend
+        self._rank, self._world = backend.rank, backend.world_size
+        self._backend = backend
+        itself = backend.checks_gradients_itself
+        self._check_gradients = self.config.check_gradients and not itself
+        if self.config.check_gradients and itself:
+            logger.info(
+                "NonFiniteSkip: the backend's optimizer step skips non-finite gradients itself "
+                "(fp16 GradScaler, DeepSpeed); checking the loss only"
+            )
 
     def on_step_start(self, engine: Engine) -> None:
         self._losses.clear()
@@ -135,7 +142,9 @@ class NonFiniteSkip(Callback):
     def on_before_optimizer_step(self, engine: Engine) -> None:
         values: list[torch.Tensor] = []
         if self._check_gradients:
-            grads = [p.grad for p in self._params if p.grad is not None]
+            # This rank's part of every gradient (a DTensor's shard, a DeepSpeed partition): a
+            # NaN anywhere is in some rank's part, and the agreement spreads it.
+            grads = self._backend.local_gradients(engine)
             if grads:
                 # One fused 2-norm per gradient: a NaN or Inf anywhere makes its norm non-finite.
                 # (ord=inf would also be exact for finite values past ~1e19, but is ~10x slower on
@@ -190,7 +199,7 @@ class NonFiniteSkip(Callback):
             )
 
     def on_teardown(self, engine: Engine) -> None:
-        self._params = []
+        self._backend = None
         self._losses = []
 
     def state_dict(self) -> dict[str, Any]:

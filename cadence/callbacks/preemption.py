@@ -58,7 +58,8 @@ class Preemption(Callback):
     raises the "preempt" request (value `world_size - rank`, so the lowest
     signalled rank is known) with a `save` and a `stop` request; the step's
     agreement makes every rank see them at the same step, the `Checkpoint`
-    callback (order 100) saves at that step, the loop stops after it, and
+    callback (order 100) saves at that step's save point (after its
+    evaluation, if one is due), the loop stops after it, and
     after teardown (Preemption's own teardown runs last among the built-ins)
     the process exits with `SystemExit(143)`, or first requeues under SLURM.
     Under submitit, `fit` returns instead, and the task requeues itself when
@@ -163,7 +164,7 @@ class Preemption(Callback):
         engine.request_save(f"preemption ({name})")
         engine.request_stop(f"preemption ({name})")
 
-    def on_step_end(self, engine: Engine) -> None:
+    def on_save_point(self, engine: Engine) -> None:
         value = engine.agreed(_REQUEST)
         if not value or self.preempted:
             return

@@ -11,6 +11,6 @@ when to save, which names, retention, best. A backend chooses its store
 (`Backend.checkpoint_store`).
 """
 
-from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore
+from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore, store_errors
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "CheckpointStore"]
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "CheckpointStore", "store_errors"]

@@ -2,9 +2,10 @@
 
 Tensor bytes go straight from tensor memory to the file (no copy in Python; staged
 copies laid out as the file, with direct I/O: `direct_io.write_image`)
-while a second thread computes the checksum (`TensorChecksum`; torch and zlib release the GIL), and
-`posix_fadvise(DONTNEED)` starts writeback early so the final fsync has little
-left to do. Reading is in `cadence.checkpoint.file_read`.
+while a second thread computes the checksum (`Checksum`: XXH3-64 of the file's
+bytes; xxhash releases the GIL), and `posix_fadvise(DONTNEED)` starts writeback
+early so the final fsync has little left to do. Reading is in
+`cadence.checkpoint.file_read`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import re
 import shutil
 import sys
 import threading
-import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from cadence.checkpoint import direct_io
 from cadence.checkpoint.store import CheckpointError
@@ -35,9 +36,10 @@ logger = logging.getLogger("cadence.checkpoint")
 
 TENSOR = "__cadence_tensor__"
 CHUNK = 32 << 20  # unit of writes, reads and checksums: large enough to be cheap per call
-BLOCK = 4096  # the checksum sums blocks of this many bytes (CHUNK is a multiple)
 TENSOR_ALIGN = 64  # each tensor starts at a multiple of this in its file (zeros in between)
-_BOUNCE = 1 << 20  # the checksum copies unaligned bytes through a buffer of this size
+ALGORITHM = "xxh3-64"  # every file's checksum, and the manifest's own: XXH3-64 of the file's bytes
+MANIFEST_KEY = "manifest_xxh3_64"  # the manifest's last field: XXH3-64 of every byte before it
+_ZEROS = bytes(TENSOR_ALIGN)
 _WRITEBACK = 64 << 20  # start disk writeback every this many bytes written
 _THREADED = 8 << 20  # below this a checksum thread costs more than it saves
 _OWN_FILE = ("model", "optimizers")
@@ -93,7 +95,7 @@ def file_for(key: Any) -> str:
 
 def padded(position: int) -> int:
     """Where the next tensor starts: aligned, so that a tensor read straight from the file into
-    page-aligned memory is aligned for vector instructions and for the checksum's int64 view."""
+    page-aligned memory is aligned for vector instructions."""
     return -(-position // TENSOR_ALIGN) * TENSOR_ALIGN
 
 
@@ -119,6 +121,17 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's memory as a flat uint8 tensor, without a copy."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def memory(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU uint8 tensor's bytes, without a copy (and without numpy).
+
+    The view does not keep the tensor alive: use it only while `t` is referenced.
+    """
+    n = t.numel()
+    if not n:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def placeholders(obj: Any) -> Iterator[int]:
@@ -148,25 +161,21 @@ def rebuild(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
     return obj
 
 
-class TensorChecksum:
-    """The checksum of a tensor file: CRC-32 over each tensor's 4 KiB block sums.
+class Checksum:
+    """XXH3-64 (xxhash) of a file's bytes, fed in order, optionally from a second thread.
 
-    For every tensor, in file order: the 64-bit wrapping sum of each full
-    4 KiB block of its bytes (little-endian int64 words), then the bytes of
-    its last partial block; CRC-32 runs over that stream. A flipped bit
-    changes one block's sum; blocks out of place or a zeroed page change the
-    sums' sequence. Summing runs at ~12 GB/s per core against ~2 GB/s for a
-    CRC-32 of every byte, so the checksum costs little next to the disk.
-    Large files are checksummed in a second thread (torch and zlib release
-    the GIL) while the next chunk is written or read.
+    `update` takes the next piece (a flat uint8 tensor or bytes); large files are
+    hashed in a second thread (xxhash releases the GIL) while the next chunk is
+    written or read. XXH3 runs at memory speed (about 29 GB/s on one core here,
+    0.04 s per GB; a CRC-32 of the same bytes 4.2 GB/s), and unlike a sum of
+    words it sees compensating bit flips, swapped words and moved blocks.
     """
 
-    ALGORITHM = "crc32-of-4k-sums"
+    ALGORITHM = ALGORITHM
 
     def __init__(self, threaded: bool) -> None:
-        self.value = 0
-        self._bounce: torch.Tensor | None = None
-        self._queue: queue.SimpleQueue[torch.Tensor | None] | None = None
+        self._hash = xxhash.xxh3_64()
+        self._queue: queue.SimpleQueue[Any] | None = None
         if threaded:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._run, name="cadence-checksum", daemon=True)
@@ -174,47 +183,49 @@ class TensorChecksum:
 
     def _run(self) -> None:
         assert self._queue is not None
-        while (chunk := self._queue.get()) is not None:
-            self._add(chunk)
+        while (piece := self._queue.get()) is not None:
+            self._add(piece)
 
-    def _add(self, chunk: torch.Tensor) -> None:
-        full = chunk.numel() // BLOCK * BLOCK
-        if full and chunk.storage_offset() % 8 == 0:
-            sums = chunk[:full].view(torch.int64).view(-1, BLOCK // 8).sum(1)
-            self.value = zlib.crc32(sums.numpy(), self.value)  # type: ignore[arg-type]
-        elif full:  # an unaligned view cannot be read as int64: through an aligned buffer (a few tensors of old files)
-            if self._bounce is None:
-                self._bounce = torch.empty(_BOUNCE, dtype=torch.uint8)
-            for i in range(0, full, _BOUNCE):
-                piece = self._bounce[: min(_BOUNCE, full - i)]
-                piece.copy_(chunk[i : i + piece.numel()])
-                sums = piece.view(torch.int64).view(-1, BLOCK // 8).sum(1)
-                self.value = zlib.crc32(sums.numpy(), self.value)  # type: ignore[arg-type]
-        if chunk.numel() > full:
-            self.value = zlib.crc32(chunk[full:].numpy(), self.value)  # type: ignore[arg-type]
+    def _add(self, piece: Any) -> None:
+        self._hash.update(memory(piece) if isinstance(piece, torch.Tensor) else piece)
 
-    def update(self, chunk: torch.Tensor) -> None:
-        """Add the next piece of a tensor's bytes (a flat uint8 tensor; pieces are multiples of 4 KiB but its last)."""
+    def update(self, piece: torch.Tensor | bytes) -> None:
+        """Add the next piece of the file's bytes (a flat uint8 CPU tensor, or bytes)."""
         if self._queue is None:
-            self._add(chunk)
+            self._add(piece)
         else:
-            self._queue.put(chunk)
+            self._queue.put(piece)
+
+    @property
+    def value(self) -> int:
+        """The checksum of what was added (unthreaded; a threaded one: `finish`)."""
+        return self._hash.intdigest()
 
     def finish(self) -> int:
         if self._queue is not None:
             self._queue.put(None)
             self._thread.join()
-        return self.value
+        return self._hash.intdigest()
+
+
+def digest(data: Any) -> int:
+    """XXH3-64 of bytes in memory (`payload.pt`)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def hex_digest(value: int) -> str:
+    """How a checksum is written in the manifest: 16 hex digits."""
+    return f"{value:016x}"
 
 
 def write_tensors(path: Path, tensors: list[torch.Tensor], durable: bool) -> tuple[int, int]:
-    """Write tensors' bytes, each from a `padded` offset; returns (size, checksum). Fsynced when `durable`.
+    """Write tensors' bytes, each from a `padded` offset; returns (size, XXH3-64 of the file). Fsynced when `durable`.
 
     Tensors that already lie in memory as the file will (the async writer's staging, see
     `direct_io.image_of`) are written as that one buffer, with direct I/O where the
     filesystem has it; others chunk by chunk through the page cache.
     """
-    checksum = TensorChecksum(threaded=sum(t.numel() * t.element_size() for t in tensors) >= _THREADED)
+    checksum = Checksum(threaded=sum(t.numel() * t.element_size() for t in tensors) >= _THREADED)
     offsets, size = [], 0
     for tensor in tensors:
         offsets.append(padded(size))
@@ -224,7 +235,7 @@ def write_tensors(path: Path, tensors: list[torch.Tensor], durable: bool) -> tup
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             if image is not None:
-                _write_image(path, fd, image, tensors, offsets, size, checksum)
+                _write_image(path, fd, image, size, checksum)
             else:
                 _write_chunks(fd, tensors, checksum, durable)
             if durable:
@@ -236,42 +247,31 @@ def write_tensors(path: Path, tensors: list[torch.Tensor], durable: bool) -> tup
     return size, value
 
 
-def _write_image(
-    path: Path,
-    fd: int,
-    image: torch.Tensor,
-    tensors: list[torch.Tensor],
-    offsets: list[int],
-    size: int,
-    checksum: TensorChecksum,
-) -> None:
-    # The checksum sees each tensor's bytes in the same pieces as `_write_chunks` gives it, as they are written.
-    pieces = []
-    for tensor, offset in zip(tensors, offsets, strict=True):
-        flat = _flat_bytes(tensor)
-        pieces += [(offset + min(i + CHUNK, flat.numel()), flat[i : i + CHUNK]) for i in range(0, flat.numel(), CHUNK)]
+def _write_image(path: Path, fd: int, image: torch.Tensor, size: int, checksum: Checksum) -> None:
     fed = 0
 
-    def written(end: int) -> None:
+    def written(end: int) -> None:  # the checksum reads the file's bytes, in order, as they are written
         nonlocal fed
-        while fed < len(pieces) and pieces[fed][0] <= end:
-            checksum.update(pieces[fed][1])
-            fed += 1
+        if end > fed:
+            checksum.update(image[fed:end])
+            fed = end
 
     direct_io.write_image(path, fd, image, size, written)
     written(size)
 
 
-def _write_chunks(fd: int, tensors: list[torch.Tensor], checksum: TensorChecksum, durable: bool) -> None:
+def _write_chunks(fd: int, tensors: list[torch.Tensor], checksum: Checksum, durable: bool) -> None:
     written = started = 0
     for tensor in tensors:
         if padded(written) > written:  # the tensor table (`split`) places tensors at these offsets
-            _write_all(fd, memoryview(bytes(padded(written) - written)))
+            gap = _ZEROS[: padded(written) - written]
+            _write_all(fd, memoryview(gap))
+            checksum.update(gap)
             written = padded(written)
         flat = _flat_bytes(tensor)
         for i in range(0, flat.numel(), CHUNK):
             chunk = flat[i : i + CHUNK]
-            _write_all(fd, memoryview(chunk.numpy()))  # type: ignore[arg-type]
+            _write_all(fd, memory(chunk))
             checksum.update(chunk)
             written += chunk.numel()
             if durable and written - started >= _WRITEBACK and FADVISE:
@@ -282,6 +282,7 @@ def _write_chunks(fd: int, tensors: list[torch.Tensor], checksum: TensorChecksum
 
 
 def write_bytes(path: Path, data: Any, durable: bool) -> tuple[int, int]:
+    """Write `data` (bytes-like) as a new file; returns (size, XXH3-64). Fsynced when `durable`."""
     view = memoryview(data).cast("B")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -290,7 +291,7 @@ def write_bytes(path: Path, data: Any, durable: bool) -> tuple[int, int]:
             os.fsync(fd)
     finally:
         os.close(fd)
-    return len(view), zlib.crc32(view)
+    return len(view), digest(view)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -306,9 +307,24 @@ def check_name(name: str) -> None:
         raise ValueError(f"checkpoint name {name!r}: use letters, digits, '-' and '_' only")
 
 
-def manifest_crc(manifest: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
-    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    """The manifest as written: JSON whose last field, `manifest_xxh3_64`, is the XXH3-64 of every byte before it.
+
+    So any changed byte of the file is seen, whitespace included (`check_manifest`).
+    """
+    text = json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_KEY}, indent=1).encode()
+    head = text[:-2]  # without the closing "\n}"
+    return head + _manifest_tail(head)
+
+
+def _manifest_tail(head: bytes) -> bytes:
+    return b',\n "%s": "%s"\n}\n' % (MANIFEST_KEY.encode(), hex_digest(digest(head)).encode())
+
+
+def check_manifest(raw: bytes) -> bool:
+    """Whether `raw` is exactly what `manifest_bytes` wrote for its content (its own checksum holds)."""
+    cut = raw.rfind(b',\n "%s": "' % MANIFEST_KEY.encode())
+    return cut > 0 and raw[cut:] == _manifest_tail(raw[:cut])
 
 
 def fsync_file(path: Path) -> None:

@@ -14,7 +14,9 @@ machine whose free memory the host takes back, both cost more than the disk). So
   the reads, and two reads are under way at once. The tensor is a view of its buffer;
   tensors start at 64-byte offsets in their file (`file_io.padded`), so it is aligned.
 - Small tensors are read a run at a time into one reused buffer and copied out.
-- The checksum (`TensorChecksum`) runs on each piece as it arrives (a thread for large files).
+- The checksum (`file_io.Checksum`, XXH3-64 of the file) runs on each piece as it arrives (a thread
+  for large files); the zero padding between tensors, which is never read, is hashed as the zeros
+  the writer wrote.
 
 Nothing here writes into a tensor that exists: the engine takes the new tensors over (the
 optimizer keeps them as its state, the model copies from them) only after every file is
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 from cadence.checkpoint.direct_io import ALIGN, LINUX, O_DIRECT, Prefault, aligned_empty, cached_fraction
-from cadence.checkpoint.file_io import CHUNK, TensorChecksum, _flat_bytes
+from cadence.checkpoint.file_io import CHUNK, Checksum, _flat_bytes, memory
 from cadence.checkpoint.store import CheckpointError
 
 BIG = 1 << 20  # tensors of at least this many bytes get their own aligned buffer (no copy)
@@ -111,11 +113,12 @@ class TensorReads:
     def read(self, i: int) -> int:
         path, entries = self.files[i]
         size = entries[-1][1] + entries[-1][2] if entries else 0
-        checksum = TensorChecksum(threaded=False)
+        checksum = Checksum(threaded=False)
         sums: list[concurrent.futures.Future[None]] = []
-        feed: Callable[[torch.Tensor], None] = checksum.update  # inline: small files, and a check's reused buffer
+        update: Callable[[Any], None] = checksum.update  # inline: small files, and a check's reused buffer
         if self.out is not None and size >= _THREADED:  # in the checksum thread, in order, as pieces arrive
-            feed = lambda piece: sums.append(self._sums.submit(checksum.update, piece))  # noqa: E731
+            update = lambda piece: sums.append(self._sums.submit(checksum.update, piece))  # noqa: E731
+        feed = _InOrder(update)
         try:
             with _Reader(path, self.direct[i]) as reader:
                 try:
@@ -128,7 +131,7 @@ class TensorReads:
             future.result()
         return checksum.value
 
-    def _read_groups(self, i: int, reader: _Reader, feed: Callable[[torch.Tensor], None]) -> None:
+    def _read_groups(self, i: int, reader: _Reader, feed: _InOrder) -> None:
         buffers = iter(self.buffers[i])
         for kind, group in self.plans[i]:
             if kind == "own":
@@ -142,9 +145,7 @@ class TensorReads:
                 _read_stream(reader, group[0], self.scratch, feed)
         self._settle(0)
 
-    def _read_own(
-        self, reader: _Reader, entry: Entry, buffer: torch.Tensor, feed: Callable[[torch.Tensor], None]
-    ) -> None:
+    def _read_own(self, reader: _Reader, entry: Entry, buffer: torch.Tensor, feed: _InOrder) -> None:
         """Read a large tensor into its buffer, a piece at a time with the next piece's read already under way."""
         assert self.out is not None
         index, offset, nbytes, dtype, shape = entry
@@ -156,7 +157,7 @@ class TensorReads:
             nonlocal fed
             ready = min(nbytes, end - offset)
             while fed < nbytes and min(fed + CHUNK, nbytes) <= ready:  # pieces start at the tensor's start
-                feed(flat[fed : fed + CHUNK])
+                feed(offset + fed, flat[fed : fed + CHUNK])
                 fed += CHUNK
             if fed >= nbytes:
                 assert self.out is not None
@@ -180,6 +181,23 @@ class TensorReads:
                 continue
             future.result()
             then()
+
+
+class _InOrder:
+    """Feeds one file's tensor bytes to its checksum in file order, `(offset, piece)` at a time.
+
+    The padding before a tensor (zeros, at most 63 bytes, never read) goes in as the
+    zeros the writer wrote, so the value is the XXH3-64 of the whole file.
+    """
+
+    def __init__(self, update: Callable[[Any], None]) -> None:
+        self.update, self.position = update, 0
+
+    def __call__(self, offset: int, piece: torch.Tensor) -> None:
+        if offset > self.position:
+            self.update(bytes(offset - self.position))
+        self.update(piece)
+        self.position = offset + piece.numel()
 
 
 def _plan(entries: list[Entry], own_min: int | None) -> list[Group]:
@@ -214,25 +232,23 @@ def _span(group: list[Entry]) -> tuple[int, int]:
     return start // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
 
 
-def _read_pack(
-    reader: _Reader, group: list[Entry], scratch: torch.Tensor, feed: Callable[[torch.Tensor], None], out: Any
-) -> None:
+def _read_pack(reader: _Reader, group: list[Entry], scratch: torch.Tensor, feed: _InOrder, out: Any) -> None:
     start, end = _span(group)
     last = group[-1]
     reader.read(scratch[: end - start], start, last[1] + last[2] - start)
     for index, offset, nbytes, dtype, shape in group:
         data = scratch[offset - start : offset - start + nbytes]
         if out is None:
-            feed(data)  # inline: the scratch buffer is reused
+            feed(offset, data)  # inline: the scratch buffer is reused
             continue
         tensor = torch.empty(shape, dtype=getattr(torch, dtype))
         flat = _flat_bytes(tensor)
         flat.copy_(data)
-        feed(flat)
+        feed(offset, flat)
         out[index] = tensor
 
 
-def _read_stream(reader: _Reader, entry: Entry, scratch: torch.Tensor, feed: Callable[[torch.Tensor], None]) -> None:
+def _read_stream(reader: _Reader, entry: Entry, scratch: torch.Tensor, feed: _InOrder) -> None:
     """Checksum one tensor larger than the scratch buffer, a piece at a time (checking only)."""
     _, offset, nbytes, *_ = entry
     for piece in range(0, nbytes, CHUNK):
@@ -240,7 +256,7 @@ def _read_stream(reader: _Reader, entry: Entry, scratch: torch.Tensor, feed: Cal
         start = (offset + piece) // ALIGN * ALIGN
         skip = offset + piece - start
         reader.read(scratch[: -(-(skip + length) // ALIGN) * ALIGN], start, skip + length)
-        feed(scratch[skip : skip + length])
+        feed(offset + piece, scratch[skip : skip + length])
 
 
 def _typed(flat: torch.Tensor, dtype: str, shape: Any) -> torch.Tensor:
@@ -284,12 +300,13 @@ class _Reader:
 
     def read(self, view: torch.Tensor, offset: int, need: int) -> None:
         """Read into `view` (ALIGN-sized, from an aligned `offset`) at least `need` bytes, or raise."""
-        memory = memoryview(view.numpy())  # type: ignore[arg-type]
+        target = memory(view)
         done = 0
         while done < need:
-            direct = self.direct is not None and not self.refused and done % ALIGN == 0  # else a short read left it
+            fd = self.direct if self.direct is not None and not self.refused and done % ALIGN == 0 else None
+            direct = fd is not None  # else a short read left it unaligned
             try:
-                n = self._pread(self.direct if direct else self.plain, memory[done:], offset + done)  # type: ignore[arg-type]
+                n = self._pread(self.plain if fd is None else fd, target[done:], offset + done)
             except OSError as exc:
                 if not (direct and exc.errno == errno.EINVAL):
                     raise
@@ -299,13 +316,13 @@ class _Reader:
                 raise CheckpointError(f"{self.path.name} ends early: the file is truncated", path=self.path.parent)
             done += n
 
-    def _pread(self, fd: int, memory: memoryview, offset: int) -> int:
+    def _pread(self, fd: int, target: memoryview, offset: int) -> int:
         if _PREADV:
-            return os.preadv(fd, [memory], offset)
+            return os.preadv(fd, [target], offset)
         with self._seek:
             os.lseek(fd, offset, os.SEEK_SET)
-            data = os.read(fd, len(memory))
-        memory[: len(data)] = data
+            data = os.read(fd, len(target))
+        target[: len(data)] = data
         return len(data)
 
 

@@ -13,9 +13,10 @@ and the folder are fsynced, then the folder takes the name in one atomic
 step (`renameat2(RENAME_EXCHANGE)` on Linux when the name exists, a plain
 rename otherwise) and the old one is removed. `best` and history snapshots
 are folders of hard links to the files (copies where links fail). Reads check
-sizes first (truncation), then checksums as they read, and load
-`payload.pt` with `torch.load(weights_only=True)`. The byte-level work is in
-`cadence.checkpoint.file_io`.
+sizes first (truncation), then checksums (XXH3-64 of each file, computed as
+the bytes arrive), and load `payload.pt` with `torch.load(weights_only=True)`.
+The manifest's last field is the XXH3-64 of every byte before it. The
+byte-level work is in `cadence.checkpoint.file_io`.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import contextlib
 import io
 import json
 import os
+import re
 import secrets
 import shutil
 import time
-import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,13 +98,13 @@ class FileStore(CheckpointStore):
                 "epoch": meta.get("epoch"),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "files": {
-                    file: {"size": size, "checksum": f"{value:08x}", "algorithm": _ALGORITHMS[file == PAYLOAD]}
+                    file: {"size": size, "checksum": file_io.hex_digest(value), "algorithm": file_io.ALGORITHM}
                     for file, (size, value) in files.items()
                 },
             }
-            manifest["manifest_crc32"] = file_io.manifest_crc(manifest)
-            file_io.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), self.durable)
-        return manifest
+            raw = file_io.manifest_bytes(manifest)
+            file_io.write_bytes(tmp / MANIFEST, raw, self.durable)
+        return json.loads(raw)
 
     def link(self, src: str, dst: str) -> None:
         file_io.check_name(dst)
@@ -217,11 +218,11 @@ class FileStore(CheckpointStore):
             known = ", ".join(self.names()) or "none"
             raise CheckpointError(f"no checkpoint named {name!r} in {folder.parent} (there: {known})", path=folder)
         try:
-            text = (folder / MANIFEST).read_text()
+            raw = (folder / MANIFEST).read_bytes()
         except FileNotFoundError:
             raise CheckpointError(_NO_MANIFEST, path=folder) from None
         try:
-            manifest = json.loads(text)
+            manifest = json.loads(raw)
             ok = (
                 isinstance(manifest, dict)
                 and manifest.get("format") == FORMAT
@@ -231,11 +232,24 @@ class FileStore(CheckpointStore):
             ok, manifest = False, None
         if not ok:
             raise CheckpointError(
-                "manifest.json is unreadable or not a cadence manifest: the file is damaged", path=folder
+                f"{MANIFEST} is unreadable or not a cadence manifest: the file is damaged{_claimed_step(raw)}; "
+                "use another checkpoint",
+                path=folder,
             )
-        if manifest.get("manifest_crc32") != file_io.manifest_crc(manifest):
+        if file_io.MANIFEST_KEY not in manifest and "manifest_crc32" in manifest:
+            algorithms = sorted({str(e.get("algorithm")) for e in manifest["files"].values() if isinstance(e, dict)})
             raise CheckpointError(
-                "manifest.json fails its own checksum: the file is damaged (its step cannot be trusted)", path=folder
+                f"written by an older cadence: its checksums are {', '.join(algorithms)} (a sum of 8-byte words "
+                f"that misses compensating bit flips and swapped words); this cadence verifies {file_io.ALGORITHM} "
+                "checksums only and does not load it: use the cadence version that wrote it, or a newer checkpoint",
+                path=folder,
+                step=manifest.get("step"),
+            )
+        if not file_io.check_manifest(raw):
+            raise CheckpointError(
+                f"{MANIFEST} fails its own checksum ({file_io.ALGORITHM}): the file is damaged{_claimed_step(raw)}; "
+                "use another checkpoint",
+                path=folder,
             )
         return manifest
 
@@ -272,7 +286,7 @@ class FileStore(CheckpointStore):
             )
         self._check_sizes(folder, manifest, {PAYLOAD: manifest["files"][PAYLOAD]})
         data = (folder / PAYLOAD).read_bytes()
-        self._check_checksum(folder, manifest, PAYLOAD, zlib.crc32(data))
+        self._check_checksum(folder, manifest, PAYLOAD, file_io.digest(data))
         try:
             skeleton = torch.load(io.BytesIO(data), weights_only=self.weights_only, map_location="cpu")
         except Exception as exc:
@@ -315,24 +329,28 @@ class FileStore(CheckpointStore):
 
     def _check_checksum(self, folder: Path, manifest: dict[str, Any], file: str, value: int) -> None:
         entry = manifest["files"][file]
-        algorithm = _ALGORITHMS.get(file == PAYLOAD)
-        if entry.get("algorithm") != algorithm:
+        if entry.get("algorithm") != file_io.ALGORITHM:
             raise CheckpointError(
-                f"{file}: checksum algorithm {entry.get('algorithm')!r} is not {algorithm!r} (written by another "
-                "cadence version?)",
+                f"{file}: checksum algorithm {entry.get('algorithm')!r} is not {file_io.ALGORITHM!r} (written by "
+                "another cadence version?); use the cadence version that wrote it",
                 path=folder,
                 step=manifest.get("step"),
             )
-        if f"{value:08x}" != entry["checksum"]:
+        if file_io.hex_digest(value) != entry["checksum"]:
             raise CheckpointError(
-                f"{file}: checksum mismatch (computed {value:08x}, the manifest says {entry['checksum']}): the file "
-                "is corrupted; use another checkpoint",
+                f"{file}: checksum mismatch ({file_io.ALGORITHM} {file_io.hex_digest(value)}, the manifest says "
+                f"{entry['checksum']}): the file is corrupted; use another checkpoint",
                 path=folder,
                 step=manifest.get("step"),
             )
 
 
-_ALGORITHMS = {True: "crc32", False: file_io.TensorChecksum.ALGORITHM}
+def _claimed_step(raw: bytes) -> str:
+    """What a damaged manifest seems to say about its step (for the error message only)."""
+    found = re.search(rb'"step": (\d+)', raw)
+    return f" (it says step {int(found.group(1))}, which cannot be trusted)" if found else " (its step is unreadable)"
+
+
 _NO_MANIFEST = (
     "not a complete checkpoint: manifest.json is missing (an interrupted write or a damaged copy); "
     "it is never loaded; use another checkpoint"

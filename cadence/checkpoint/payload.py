@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError
+from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore, store_errors
 from cadence.engine import config as config_module
 from cadence.engine.events import Event
 from cadence.engine.state import State, capture_rng, restore_rng
@@ -51,16 +51,19 @@ def stateful_callbacks(engine: Engine) -> dict[str, Any]:
 def build_payload(engine: Engine) -> dict[str, Any]:
     """Everything a bitwise resume needs, as references (no copies).
 
-    A collective: every rank must call it (the per-rank data position and RNG
-    are gathered to every rank). The train position is saved only inside an
-    epoch: at an epoch boundary the next epoch is reseeded by the engine.
+    A collective: every rank must call it. The train position is gathered
+    over the data domain (one entry per data rank, indexed by `data_rank` on
+    restore; ranks of one data rank, e.g. tensor-parallel peers, hold the same
+    position), the RNG over the optimizer domain (one entry per rank, which is
+    every rank on DDP and a mesh). What a rank saves of its train data is
+    `DataSource.position`.
     """
     backend, state = engine.backend, engine.state_dict()
-    mine: dict[str, Any] = {"rng": _portable_rng(capture_rng())}
+    rng = _portable_rng(capture_rng())
     train = engine.data.get("train")
-    if train is not None and state["batch_in_epoch"] and train.stateful():
-        mine["train"] = train.state_dict()
-    ranks = backend.all_gather_object(mine) if backend.world_size > 1 else [mine]
+    position = train.position(state["batch_in_epoch"]) if train is not None else None
+    positions = backend.all_gather_object(position, domain="data") if backend.data_size > 1 else [position]
+    rngs = backend.all_gather_object(rng, domain="optimizer") if backend.world_size > 1 else [rng]
     run_config = engine.run_config
     return {
         "format": FORMAT,
@@ -78,8 +81,8 @@ def build_payload(engine: Engine) -> dict[str, Any]:
         "model": backend.model_state_dict(engine),
         "optimizers": backend.optimizer_state_dicts(engine),
         "schedulers": [scheduler.state_dict() for scheduler in engine.schedulers],
-        "data": {"train": [r.get("train") for r in ranks]} if any("train" in r for r in ranks) else {},
-        "rng": [r["rng"] for r in ranks],
+        "data": {"train": positions} if any(p is not None for p in positions) else {},
+        "rng": rngs,
         "callbacks": {key: cb.state_dict() for key, cb in stateful_callbacks(engine).items()},
         "config": {
             "engine": config_module.unstructure(engine.config),
@@ -111,11 +114,36 @@ def _native_rng(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_checkpoint(engine: Engine, path: str | os.PathLike[str], *, strict: bool = True) -> dict[str, Any]:
-    """Read the checkpoint at `path` with the backend's store and `restore` it; returns the payload."""
-    store, name = engine.backend.checkpoint_store(engine).locate(path)
-    payload = store.read(name)
+    """Read the checkpoint at `path` with the backend's store and `restore` it; returns the payload.
+
+    Every rank calls it. Store errors are raised as `CheckpointError` naming the checkpoint.
+    """
+    store, name = locate(engine, engine.backend.checkpoint_store(engine), path)
+    with store_errors("reading", store.path(name)):
+        payload = store.read(name)
     restore(engine, payload, strict=strict, source=str(store.path(name)))
     return payload
+
+
+def locate(engine: Engine, store: CheckpointStore, path: str | os.PathLike[str]) -> tuple[CheckpointStore, str]:
+    """`store.locate(path)` on every rank: a collective store's main rank locates and tells the others."""
+    backend = engine.backend
+    if not (store.collective and backend.world_size > 1):
+        with store_errors("locating", path):
+            return store.locate(path)
+    found: tuple[str, str] | None = None
+    problem: str | None = None
+    if backend.is_main:
+        try:
+            with store_errors("locating", path):
+                at, name = store.locate(path)
+            found = (str(at.directory), name)
+        except CheckpointError as exc:
+            problem = exc.reason
+    found, problem = backend.broadcast_object((found, problem))
+    if found is None:
+        raise CheckpointError(str(problem), path=path)
+    return store.at(found[0]), found[1]
 
 
 def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, source: str = "") -> None:
@@ -162,6 +190,14 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
             f"cannot be resharded, so epoch {payload['engine'].get('epoch')} restarts from its first batch "
             f"({payload['engine'].get('batch_in_epoch')} batches per rank are seen again)"
         )
+    train = engine.data.get("train")
+    mine = positions[backend.data_rank] if keep_position and positions is not None else None
+    problem = train.position_problem(mine) if mine is not None and train is not None else None
+    if problem is not None:
+        if strict:
+            raise fail(problem + "; or pass strict=False (the interrupted epoch then restarts)")
+        keep_position = False
+        warnings.append(problem + ": the interrupted epoch restarts from its first batch")
     callbacks = stateful_callbacks(engine)
     saved_states = payload["callbacks"]
     missing = sorted(set(callbacks) - set(saved_states))
@@ -343,14 +379,8 @@ def _restore_position(engine: Engine, payload: Mapping[str, Any], positions: lis
     mine = positions[engine.backend.data_rank] if positions is not None else None
     train = engine.data.get("train")
     restored = False
-    if mine is not None and train is not None and train.stateful():
-        # A distributed sampler's permutation depends on its epoch, which its state does not hold.
-        for sampler in {id(s): s for s in (train.sampler, getattr(train.loader, "sampler", None))}.values():
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(state["epoch"])
-        train.load_state_dict(mine)
-        restored = True
+    if mine is not None and train is not None:
+        restored = train.load_position(mine, state["epoch"])
     elif state.get("batch_in_epoch") and positions is None and payload.get("data", {}).get("train") is not None:
         state["batch_in_epoch"] = 0  # a position that cannot be used: the epoch restarts
     engine.state.load_state_dict(state)

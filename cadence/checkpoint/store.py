@@ -11,9 +11,10 @@ The `Checkpoint` callback (cadence/callbacks/checkpoint.py) decides when;
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,8 +32,34 @@ class CheckpointError(RuntimeError):
     def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None, step: int | None = None) -> None:
         self.path = None if path is None else str(path)
         self.step = step
+        self.reason = message
         where = f"checkpoint {self.path}" if self.path else "checkpoint"
         super().__init__(f"{where} (step {'unknown' if step is None else step}): {message}")
+
+
+@contextlib.contextmanager
+def store_errors(action: str, path: str | os.PathLike[str] | None, step: int | None = None) -> Iterator[None]:
+    """Turn any error a store raises into a `CheckpointError` naming `path` and `step`.
+
+    The one place where store errors are converted: the `Checkpoint` callback
+    and `load_checkpoint` wrap every store call in it. It catches
+    `BaseException` because `torch.distributed.checkpoint`'s
+    `CheckpointException` derives from it (not from `Exception`); only
+    `KeyboardInterrupt`, `SystemExit` and `GeneratorExit` pass through. A
+    `CheckpointError` without a path or step gets them.
+    """
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except CheckpointError as exc:
+        if (exc.path is None and path is not None) or (exc.step is None and step is not None):
+            raise CheckpointError(
+                exc.reason, path=exc.path if exc.path is not None else path, step=step if exc.step is None else exc.step
+            ) from exc
+        raise
+    except BaseException as exc:
+        raise CheckpointError(f"{action} failed: {type(exc).__name__}: {exc}", path=path, step=step) from exc
 
 
 class CheckpointStore(abc.ABC):
@@ -43,12 +70,29 @@ class CheckpointStore(abc.ABC):
     `sweep` removes what interrupted writes left. Reads verify the manifest
     (every file's size and checksum) and raise `CheckpointError`.
 
+    Who calls what (the `Checkpoint` callback keeps this):
+
+    - Non-collective stores (`collective = False`, the file store): only the
+      main process writes, links, deletes and sweeps; every rank reads the
+      same files (`read` involves no other rank).
+    - Collective stores (`collective = True`: DCP, DeepSpeed): `write` and
+      `read` are collectives, called by every rank together, with the same
+      name, in the same order. `names`, `link`, `delete`, `sweep`, `manifest`,
+      `verify` and `locate` are called on the main rank only and must not
+      involve other ranks (auto-resume checks candidates with `manifest` and
+      `verify` on the main rank, then every rank `read`s the pick together);
+      after them the callback calls `barrier()` on every rank. `write` and
+      `barrier` may run in the callback's writer thread (async saves), so a
+      collective store uses a process group of its own, never the one the
+      training loop uses. Errors, whatever their type (DCP's
+      `CheckpointException` is a `BaseException`), are turned into
+      `CheckpointError` by the caller (`store_errors`).
+
     Attributes:
-        all_ranks_write: every rank calls `write` (sharded stores); when False,
-            only the main process writes and the others wait at a barrier.
+        collective: `write` and `read` are collectives of every rank (see above).
     """
 
-    all_ranks_write: ClassVar[bool] = False
+    collective: ClassVar[bool] = False
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         self.directory = None if directory is None else Path(directory)
@@ -66,43 +110,55 @@ class CheckpointStore(abc.ABC):
 
     @abc.abstractmethod
     def write(self, name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """Commit `payload` as `name` atomically; returns its manifest."""
+        """Commit `payload` as `name` atomically; returns its manifest (collective stores: every rank, together)."""
 
     @abc.abstractmethod
     def read(self, name: str, keys: Iterable[str] | None = None) -> dict[str, Any]:
-        """The payload of `name` (only the top-level `keys` if given), verified."""
+        """The payload of `name` (only the top-level `keys` if given), verified (collective stores: every rank, together)."""
 
     @abc.abstractmethod
     def manifest(self, name: str) -> dict[str, Any]:
-        """The manifest of `name` (step, epoch, files); raises if it is not a complete checkpoint."""
+        """The manifest of `name` (step, epoch, files); raises if it is not a complete checkpoint. Main rank only."""
 
     @abc.abstractmethod
     def verify(self, name: str) -> dict[str, Any]:
-        """Check every file of `name` against its manifest; returns the manifest."""
+        """Check every file of `name` against its manifest; returns the manifest. Main rank only, no collective."""
 
     @abc.abstractmethod
     def names(self) -> list[str]:
-        """The committed checkpoints in the directory, sorted."""
+        """The committed checkpoints in the directory, sorted. Main rank only."""
 
     def exists(self, name: str) -> bool:
         return name in self.names()
 
     @abc.abstractmethod
     def delete(self, name: str) -> None:
-        """Remove `name` (it disappears atomically, then its files are removed)."""
+        """Remove `name` (it disappears atomically, then its files are removed). Main rank only."""
 
     @abc.abstractmethod
     def link(self, src: str, dst: str) -> None:
-        """Commit `dst` as the same checkpoint as `src` (hard links when the store can)."""
+        """Commit `dst` as the same checkpoint as `src` (hard links when the store can). Main rank only."""
 
     def wait(self) -> None:
         """Wait for background work of the store (removing superseded checkpoints)."""
         return None
 
+    def barrier(self) -> None:
+        """Wait for every rank, after main-only calls (collective stores; callable from the writer thread).
+
+        Non-collective stores are never asked; a collective store implements it
+        on its own process group.
+        """
+        if self.collective:
+            raise NotImplementedError(f"{type(self).__name__} is collective: implement barrier() on its own group")
+
     @abc.abstractmethod
     def sweep(self) -> list[str]:
-        """Remove leftovers of interrupted writes; returns what was removed."""
+        """Remove leftovers of interrupted writes; returns what was removed. Main rank only."""
 
     @abc.abstractmethod
     def locate(self, path: str | os.PathLike[str]) -> tuple[CheckpointStore, str]:
-        """`(store at its folder, name)` for a checkpoint path or a folder holding `latest`."""
+        """`(store at its folder, name)` for a checkpoint path or a folder holding `latest`.
+
+        Collective stores: main rank only (`payload.locate` tells the others).
+        """

@@ -4,8 +4,11 @@ The loop only waits for the payload's tensors to be copied into staging
 buffers (`Staging`, reused from save to save); a thread commits them. At most
 one job is written while at most one waits: a newer `latest`-only job replaces
 a waiting one, a job that makes `best` or a history snapshot is never dropped
-(the loop waits for the writer to take it instead). Errors are kept for the
-loop to raise at its next step.
+(the loop waits for the writer to take it instead). Whether a job still waits
+depends on the thread's timing, so for a collective store, whose ranks must
+enter the same writes, nothing is superseded (`supersede=False`): every rank
+writes every job, in submission order. Errors are kept for the loop to raise
+at its next step.
 """
 
 from __future__ import annotations
@@ -229,10 +232,19 @@ class Job:
 
 
 class AsyncWriter:
-    """A thread that runs `commit(job)` for submitted jobs, one at a time."""
+    """A thread that runs `commit(job)` for submitted jobs, one at a time.
 
-    def __init__(self, commit: Callable[[Job], None]) -> None:
+    Args:
+        commit: writes one job (in the thread).
+        supersede: a newer `latest`-only job replaces a waiting one, and a job
+            that only adds names joins the waiting job. False: every job is
+            committed as submitted, so the jobs do not depend on the thread's
+            timing (the same on every rank of a collective store).
+    """
+
+    def __init__(self, commit: Callable[[Job], None], supersede: bool = True) -> None:
         self._commit = commit
+        self.supersede = supersede
         self._cond = threading.Condition()
         self._queued: Job | None = None
         self._inflight: Job | None = None
@@ -263,15 +275,15 @@ class AsyncWriter:
             staging.reserve(nbytes, pin)
 
     def submit(self, job: Job) -> None:
-        """Stage `job.payload` and queue the job (waits only if a non-droppable job is waiting)."""
+        """Stage `job.payload` and queue the job (waits while a job it may not replace is waiting)."""
         with self._cond:
             staging = None
             queued = self._queued
-            if queued is not None and job.payload is None:
+            if queued is not None and job.payload is None and self.supersede:
                 # Only new names for the state last submitted, which is the waiting job: add them to it.
                 queued.links = tuple(dict.fromkeys(queued.links + job.links))
                 return
-            if queued is not None and queued.droppable and job.primary == "latest":
+            if queued is not None and queued.droppable and job.primary == "latest" and self.supersede:
                 staging, self._queued = queued.staging, None  # superseded by a newer save
             while self._queued is not None:
                 self._cond.wait()

@@ -8,9 +8,16 @@ loads checkpoints. `Backend` implements everything for one process; a
 distributed backend overrides what differs. See docs/backends.md.
 
 Domains: ``"data"`` is the group of ranks that see different data (metrics are
-reduced over it); ``"optimizer"`` is the group that must take the same
-optimizer decision (control requests are agreed over it). They coincide for
-DDP; a mesh backend may make them differ.
+reduced over it, data positions are gathered over it); ``"optimizer"`` is the
+group that must take the same optimizer decision (control requests are agreed
+over it). They coincide for DDP; on a mesh the data domain is the replicate x
+shard ranks and the optimizer domain the world; under TorchFT both stay inside
+a replica group.
+
+Callbacks reach parameters and gradients through the backend
+(`local_parameters`, `local_gradients`): plain tensors holding this rank's part
+(a DTensor's local shard, a DeepSpeed partition), so checks and averages work on
+every backend and never silently on nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +43,23 @@ NULL_CONTEXT = _NULL
 
 
 @attrs.frozen
+class LocalParameter:
+    """One trainable parameter as a callback sees it on this rank.
+
+    Attributes:
+        name: its name in the plain (unwrapped) module, as in checkpoints.
+        param: the parameter the model holds (a DTensor on a mesh).
+        local: this rank's part of it as a plain tensor sharing its storage
+            (the parameter itself on one process and DDP): in-place writes to
+            `local` change the parameter.
+    """
+
+    name: str
+    param: torch.Tensor
+    local: torch.Tensor
+
+
+@attrs.frozen
 class StepPlan:
     """What the loop calls on every step, decided by the backend once per fit.
 
@@ -53,10 +77,15 @@ class StepPlan:
         finish_gradients: makes gradients final (unscale), or None.
         agree: agrees the step's control requests across ranks, or None: there
             is no other rank, and the loop accepts what is pending itself.
-        optimizer_step: steps the optimizers (no arguments).
+        optimizer_step: steps the optimizers (no arguments). It returns
+            `False` when the backend did not apply the update (DeepSpeed's own
+            non-finite skip, a commit TorchFT refused): the loop then counts the
+            step as an agreed skip, which every callback sees. Anything else
+            (None, a loss) means applied.
         skip_step: called instead of `optimizer_step` when a skip was agreed
             (no arguments), or None: nothing to do then.
-        zero_grad: clears the gradients (no arguments; to None).
+        zero_grad: clears the gradients (no arguments; to None), or None when
+            the optimizer step already did (DeepSpeed).
     """
 
     schedule: Callable[[Engine, Sequence[Any]], None] | None
@@ -68,7 +97,7 @@ class StepPlan:
     agree: Callable[[Requests], None] | None
     optimizer_step: Callable[[], Any]
     skip_step: Callable[[], None] | None
-    zero_grad: Callable[[], None]
+    zero_grad: Callable[[], None] | None
 
 
 class Backend:
@@ -196,9 +225,16 @@ class Backend:
     def finish_gradients(self, engine: Engine) -> None:
         """Make gradients final before on_before_optimizer_step (e.g. unscale fp16)."""
 
-    def optimizer_step(self, engine: Engine) -> None:
+    def optimizer_step(self, engine: Engine) -> bool | None:
+        """Step every optimizer; return False only when the update was not applied.
+
+        False makes the loop count the step as an agreed skip (the LR scheduler
+        does not step, EMA does not average, `state.skipped_steps` counts it).
+        Every rank of the optimizer domain must return the same answer.
+        """
         for optimizer in engine.optimizers:
             optimizer.step()
+        return None
 
     def skip_step(self, engine: Engine) -> None:
         """Called instead of `optimizer_step` on a step whose skip was agreed.
@@ -213,12 +249,58 @@ class Backend:
             optimizer.zero_grad(set_to_none=True)
 
     def clip_grad_norm_(self, engine: Engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip all gradients of the model together; returns the pre-clip total norm."""
+        """Clip all gradients of the model together; returns the pre-clip total norm.
+
+        The norm is a plain tensor over every parameter of the model on every
+        rank (a backend with sharded gradients combines its shards' norms).
+        """
         return torch.nn.utils.clip_grad_norm_(
             [p for p in engine.model.parameters() if p.grad is not None], max_norm, norm_type=norm_type, foreach=True
         )
 
+    # -- what callbacks see ------------------------------------------------
+
+    def local_parameters(self, engine: Engine) -> list[LocalParameter]:
+        """This rank's part of every trainable parameter, with its name (see `LocalParameter`).
+
+        Callbacks that average or inspect parameters (EMA) call it once per fit
+        and keep the list: parameters are not replaced while a fit runs.
+        """
+        return [LocalParameter(n, p, p) for n, p in engine.model.named_parameters() if p.requires_grad]
+
+    def local_gradients(self, engine: Engine) -> list[torch.Tensor]:
+        """This rank's part of every gradient that exists, as plain tensors.
+
+        Called once per step by callbacks that check gradients (NonFiniteSkip),
+        after `finish_gradients`: the gradients the optimizer step will use.
+        Backends whose gradients are not plain tensors on the parameters
+        (DTensor shards, DeepSpeed partitions) override it.
+        """
+        return [p.grad for p in engine.model.parameters() if p.grad is not None]
+
+    @property
+    def checks_gradients_itself(self) -> bool:
+        """Whether the optimizer step detects non-finite gradients itself and skips.
+
+        True for an fp16 GradScaler and DeepSpeed ZeRO >= 1; such a skip comes
+        back from `optimizer_step` as False. Callbacks then check only the loss.
+        """
+        return False
+
+    def evaluation(self, engine: Engine) -> contextlib.AbstractContextManager[Any]:
+        """The context `evaluate()` and `predict()` run in (`NULL_CONTEXT`: none).
+
+        Ranks may hold one evaluation batch more or fewer than others; a backend
+        whose forward needs every rank (FSDP2 gathers parameters in each
+        forward) holds what it needs here so that uneven shards finish.
+        """
+        return _NULL
+
     # -- collectives --------------------------------------------------------
+
+    def process_group(self, domain: Domain = "data") -> Any:
+        """The `torch.distributed` group of `domain`, or None with one process (for torchmetrics and the like)."""
+        return None
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", domain: Domain = "data") -> torch.Tensor:
         """All-reduce `tensor` over `domain`; returns the result (the input here)."""
@@ -240,12 +322,12 @@ class Backend:
     def barrier(self, timeout: float | None = None) -> None:
         """Wait for every rank."""
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Send a picklable object from `src` to every rank; returns it."""
+    def broadcast_object(self, obj: Any, src: int = 0, domain: Domain = "optimizer") -> Any:
+        """Send a picklable object from `src` (a rank within `domain`) to every rank of `domain`; returns it."""
         return obj
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable `obj`, in rank order (checkpoints gather per-rank data state)."""
+    def all_gather_object(self, obj: Any, domain: Domain = "data") -> list[Any]:
+        """Every `domain` rank's picklable `obj`, in domain-rank order (checkpoints gather data positions)."""
         return [obj]
 
     # -- state ------------------------------------------------------------

@@ -58,7 +58,7 @@ _STEP_IN_PROGRESS = {
     Event.ON_BEFORE_OPTIMIZER_STEP,
     Event.ON_OPTIMIZER_STEP,
 }
-_STEP_DONE = {Event.ON_STEP_END, Event.ON_LOG}
+_STEP_DONE = {Event.ON_STEP_END, Event.ON_LOG, Event.ON_SAVE_POINT}
 
 
 def _counter(event: Event) -> Callable[[Engine, FunctionHandler], int]:
@@ -78,7 +78,7 @@ class FunctionHandler:
 
     `every=N` fires when the event's counter is a multiple of N, `once=N` fires
     only when it equals N; the counter is the number of steps for step events
-    (completed steps for `on_step_end` / `on_log`), the number of epochs for
+    (completed steps for `on_step_end` / `on_log` / `on_save_point`), the number of epochs for
     epoch events, and the number of calls otherwise. `when(engine)` must also
     be true. Without a filter the function itself is the event's hook: it
     costs one call per event, like a callback's method (`calls` then stays 0).

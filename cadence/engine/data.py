@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
 import torch
+
+logger = logging.getLogger("cadence")
+
+#: Marks a train position that the engine replays (from the epoch's saved start) rather than the loader restores.
+REPLAY = "cadence.replay"
 
 
 @attrs.define(kw_only=True)
@@ -43,7 +50,11 @@ class DataSource:
     (padded, so every rank runs the same number of steps), evaluation and
     prediction data by an `ExactShardSampler` (each sample on exactly one rank).
     Anything else is iterated as given; its state is saved when it has
-    `state_dict()`.
+    `state_dict()`. Otherwise (a plain `DataLoader`, a list) the engine
+    resumes mid-epoch by replaying the epoch: the random state that decides
+    its order (the global RNGs and the generators of the loader and its
+    sampler, taken when the epoch opened) is saved and put back before the
+    replay, so the replayed epoch is the one the saved run trained on.
     """
 
     def __init__(
@@ -69,6 +80,15 @@ class DataSource:
             raise TypeError(
                 f"{split} data must be a torch Dataset, a DataLoader or an iterable of batches; got {type(data).__name__}"
             )
+        # Replayed on resume (train data that cannot restore its own position):
+        # the random state at the open epoch's start, and one restored from a checkpoint.
+        self.replays = split == "train" and not self.built and not self.stateful()
+        # Iterating a list or tuple draws no random number: nothing to take at each epoch's start.
+        self._draws_random = not isinstance(self.loader, (list, tuple))
+        self.epoch_start: dict[str, Any] | None = None
+        self._replay_start: dict[str, Any] | None = None
+        if self.replays:
+            _warn_if_inexact(self.loader)
 
     def _build(self, dataset: Any, config: DataConfig, rank: int, size: int, pin_device: str) -> Any:
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -136,7 +156,60 @@ class DataSource:
             set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
             if not self.built and callable(set_epoch):
                 set_epoch(epoch)
+            if self.replays:  # once per epoch (~0.1 ms): what decides this epoch's order, for a replay on resume
+                rng = _host_rng() if self._draws_random else None
+                self.epoch_start = {"rng": rng, "generators": [g.get_state() for g in self._generators()]}
         return iter(self.loader)
+
+    def replay(self, epoch: int, batches: int) -> Iterator[Any]:
+        """An iterator over `epoch` past its first `batches` batches, drawn again from the epoch's start.
+
+        Exact when a checkpoint gave the random state at the epoch's start
+        (`load_position`): it is put back before the epoch is opened, and the
+        global RNGs are left as they were found.
+        """
+        start, self._replay_start = self._replay_start, None
+        if start is None:
+            logger.warning(
+                "train data (%s) has no saved position and the checkpoint holds no random state of the epoch's "
+                "start; replaying %d batches of epoch %d to reach it (a shuffled order is drawn anew)",
+                type(self.loader).__name__,
+                batches,
+                epoch,
+            )
+            iterator = self.epoch_iter(epoch, fresh=True)
+            for _ in range(batches):
+                next(iterator, None)
+            return iterator
+        logger.info(
+            "train data (%s): replaying %d batches of epoch %d from the epoch's saved random state",
+            type(self.loader).__name__,
+            batches,
+            epoch,
+        )
+        now = _host_rng()
+        try:
+            if start["rng"] is not None:
+                _set_host_rng(start["rng"])
+            for generator, state in zip(self._generators(), start["generators"]):
+                generator.set_state(state)
+            iterator = self.epoch_iter(epoch, fresh=True)
+            for _ in range(batches):
+                next(iterator, None)
+        finally:
+            _set_host_rng(now)  # the checkpoint's own RNG snapshot is restored after the position
+        return iterator
+
+    def _generators(self) -> list[torch.Generator]:
+        """The torch generators that decide a plain loader's order and worker seeds (not the global one)."""
+        loader = self.loader
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        found: dict[int, torch.Generator] = {}
+        for owner in (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+            generator = getattr(owner, "generator", None)
+            if isinstance(generator, torch.Generator) and generator is not torch.default_generator:
+                found.setdefault(id(generator), generator)
+        return list(found.values())
 
     def stateful(self) -> bool:
         return callable(getattr(self.loader, "state_dict", None)) and callable(
@@ -150,6 +223,58 @@ class DataSource:
         if not self.stateful():
             raise TypeError(f"{self.split} data ({type(self.loader).__name__}) cannot restore a saved position")
         self.loader.load_state_dict(state)  # type: ignore[union-attr]
+
+    def position(self, batch_in_epoch: int) -> dict[str, Any] | None:
+        """What a checkpoint saves of the train data at `batch_in_epoch` (None: nothing to save).
+
+        A loader with `state_dict()`: its state, inside an epoch (at a
+        boundary the engine reseeds the next epoch itself). A replayed one:
+        inside an epoch, the random state at the epoch's start; at a boundary,
+        the generators' states now (the next epoch draws its order from them).
+        """
+        if not self.replays:
+            return self.state_dict() if batch_in_epoch and self.stateful() else None
+        if batch_in_epoch:
+            start = self.epoch_start
+            if start is not None and start["rng"] is not None:
+                start = {**start, "rng": _portable(start["rng"])}
+            return {REPLAY: 1, "epoch_start": start}
+        generators = self._generators()
+        return {REPLAY: 1, "generators": [g.get_state() for g in generators]} if generators else None
+
+    def position_problem(self, state: Any) -> str | None:
+        """Why `state` (a saved `position`) cannot be restored here; None when it can."""
+        replayed = isinstance(state, dict) and REPLAY in state
+        if replayed != self.replays:
+            saved = "a loader the engine replays" if replayed else "a loader that restores its own position"
+            return (
+                f"the train position was saved for {saved}, this run's train data ({type(self.loader).__name__}) "
+                "is not one; pass the saved run's kind of train data"
+            )
+        if replayed:
+            start = state.get("epoch_start") or {}
+            generators = state.get("generators", start.get("generators", []))
+            if len(generators) != len(self._generators()):
+                return (
+                    f"the train position holds {len(generators)} generator state(s), this run's train data has "
+                    f"{len(self._generators())} generator(s); pass the same DataLoader (generator=..., sampler=...)"
+                )
+        return None
+
+    def load_position(self, state: dict[str, Any], epoch: int) -> bool:
+        """Restore a saved `position`; True when the loader now sits at the saved batch, False when it must be replayed."""
+        if not self.replays:
+            # A distributed sampler's permutation depends on its epoch, which its state does not hold.
+            for sampler in {id(s): s for s in (self.sampler, getattr(self.loader, "sampler", None))}.values():
+                set_epoch = getattr(sampler, "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(epoch)
+            self.load_state_dict(state)
+            return True
+        self._replay_start = state.get("epoch_start")
+        for generator, generator_state in zip(self._generators(), state.get("generators", ())):
+            generator.set_state(generator_state)
+        return False
 
 
 class ExactShardSampler(torch.utils.data.Sampler[int]):
@@ -203,6 +328,47 @@ class ExactShardSampler(torch.utils.data.Sampler[int]):
         if state.get("yielded", -1) < 0:
             raise ValueError(f"ExactShardSampler: invalid state {state!r}; expected {{'yielded': int >= 0}}")
         self.next_yielded = state["yielded"]
+
+
+def _host_rng() -> dict[str, Any]:
+    """The global python, numpy and torch CPU random states (see `_portable` for saving them)."""
+    snapshot: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with most torch installs
+        return snapshot
+    snapshot["numpy"] = np.random.get_state()
+    return snapshot
+
+
+def _portable(snapshot: dict[str, Any]) -> dict[str, Any]:
+    # numpy's state holds an ndarray, which a weights-only load refuses: keep plain ints.
+    if "numpy" not in snapshot:
+        return snapshot
+    name, keys, pos, has_gauss, gauss = snapshot["numpy"]
+    return {**snapshot, "numpy": (name, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss))}
+
+
+def _set_host_rng(snapshot: dict[str, Any]) -> None:
+    version, internal, gauss = snapshot["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(snapshot["torch"])
+    if "numpy" in snapshot:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = snapshot["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def _warn_if_inexact(loader: Any) -> None:
+    """Say at setup when a replayed loader cannot resume exactly, why, and what to do."""
+    if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0:
+        logger.warning(
+            "train data: DataLoader(persistent_workers=True) keeps its worker processes, and their random "
+            "state, from one epoch to the next; a run resumed after its first epoch starts new workers, so random "
+            "draws inside the dataset (augmentation) and the order drawn at the epoch's start differ from the "
+            "uninterrupted run's. For an exact resume pass persistent_workers=False"
+        )
 
 
 def _check_every_rank_has_a_batch(split: str, samples: int, ranks: int, config: DataConfig) -> None:

@@ -31,6 +31,7 @@ logger = logging.getLogger("cadence")
 _ON_STEP_START, _ON_STEP_END = Event.ON_STEP_START, Event.ON_STEP_END
 _ON_BEFORE_OPTIMIZER_STEP, _ON_OPTIMIZER_STEP = Event.ON_BEFORE_OPTIMIZER_STEP, Event.ON_OPTIMIZER_STEP
 _ON_BATCH, _ON_FORWARD, _ON_BACKWARD = Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD
+_ON_SAVE_POINT = Event.ON_SAVE_POINT
 
 
 @attrs.define(kw_only=True)
@@ -377,12 +378,14 @@ class Engine:
                     agree(requests)  # skip / stop / save / ...: one small collective
                 elif requests.any_pending or requests.any_agreed:
                     requests.accept(requests.pending)  # no other rank to agree with
-                if not agreed[skip]:
-                    optimizer_step()
+                if agreed[skip]:
+                    skip_step is None or skip_step()  # e.g. close the fp16 scaler's step
+                elif optimizer_step() is False:  # not applied (DeepSpeed's overflow, TorchFT's refused commit)
+                    agreed[skip] = 1  # counted as an agreed skip, seen by every callback
+                    requests.any_agreed = True
+                else:
                     hooks[_ON_OPTIMIZER_STEP] and fires[_ON_OPTIMIZER_STEP](self)
-                elif skip_step is not None:
-                    skip_step()  # e.g. close the fp16 scaler's step
-                zero_grad()
+                zero_grad is None or zero_grad()
                 state.micro_step += n
                 state.batch_in_epoch += n
                 state.samples_seen += batch_size(micro_batches[0]) if n == 1 else sum(map(batch_size, micro_batches))
@@ -395,6 +398,7 @@ class Engine:
                     self._log_metrics()
                 if eval_every and state.step % eval_every == 0 and "eval" in self.data:
                     self.evaluate()
+                hooks[_ON_SAVE_POINT] and fires[_ON_SAVE_POINT](self)  # checkpoint, preemption
                 if agreed[stop] or state.step >= stop_step:
                     break
             if feed.epoch_over(source, state, accum):
@@ -430,6 +434,9 @@ class Engine:
         if stopping:  # a stop agreed at the epoch's last step still holds
             self.requests.agreed[stop] = max(stopping, self.requests.agreed[stop])
             self.requests.any_agreed = True
+        # After the agreement: a save requested at epoch end is taken here, and
+        # a checkpoint holds the state an uninterrupted run goes on from.
+        self.fire(Event.ON_SAVE_POINT)
 
     def _log_metrics(self) -> None:
         self.metrics.collect()  # values callbacks aggregate themselves (TrainMetrics)
@@ -445,7 +452,7 @@ class Engine:
         value x batch size over the sum of batch sizes, not a mean of means.
         """
         source = self._source(data, "eval")
-        with self._run(), torch.no_grad(), restore_training_mode(self.model, False):
+        with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
             store = MetricStore()
             self._active_metrics, self._metric_prefix = store, f"{split}."
             try:
@@ -472,7 +479,7 @@ class Engine:
         """Run the model on every batch of `data` (default: predict data); returns the outputs."""
         source = self._source(data, "predict")
         outputs: list[Any] = []
-        with self._run(), torch.no_grad(), restore_training_mode(self.model, False):
+        with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
             self.fire(Event.ON_PREDICT_START)
             for batch in source.epoch_iter(0, fresh=True):
                 self.batch = self._place(batch)

@@ -41,13 +41,16 @@ class Event(_StrEnum):
               optimizer step (unless a skip was agreed)
               on_optimizer_step           only when the step was taken
               zero grad; state.step += 1
-              on_step_end                 scheduler, checkpoint, gc, heartbeat ...
+              on_step_end                 scheduler, gc, heartbeat ...
               on_log                      every log_interval steps: metrics reduced
               evaluate()                  every eval_every_steps, if configured
+              on_save_point               checkpoint, preemption: the step is complete,
+                                          its evaluation included
             state.epoch += 1              the epoch's data ran out
             evaluate()                    every eval_every_epochs, if configured
             on_epoch_end
             agree control requests        so a stop raised at epoch end holds everywhere
+            on_save_point                 the epoch is complete, its evaluation included
           on_log                          if steps ran since the last interval: metrics reduced
           on_fit_end
         always, when a run (fit/evaluate/predict) raised: on_exception
@@ -71,6 +74,7 @@ class Event(_StrEnum):
     ON_OPTIMIZER_STEP = "on_optimizer_step"
     ON_STEP_END = "on_step_end"
     ON_LOG = "on_log"
+    ON_SAVE_POINT = "on_save_point"
     ON_EPOCH_END = "on_epoch_end"
     ON_FIT_END = "on_fit_end"
     ON_EVAL_START = "on_eval_start"

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cadence.engine.data import DataSource
 from cadence.engine.state import State
-
-logger = logging.getLogger("cadence")
 
 _END = object()
 
@@ -74,16 +71,7 @@ class TrainFeed:
             self.position_restored = False
             return source.epoch_iter(state.epoch, fresh=state.batch_in_epoch == 0)
         # The data cannot restore its position itself: replay the epoch to it.
-        logger.warning(
-            "train data (%s) has no saved position; replaying %d batches of epoch %d to reach it",
-            type(source.loader).__name__,
-            state.batch_in_epoch,
-            state.epoch,
-        )
-        iterator = source.epoch_iter(state.epoch, fresh=True)
-        for _ in range(state.batch_in_epoch):
-            next(iterator, None)
-        return iterator
+        return source.replay(state.epoch, state.batch_in_epoch)
 
     def restart(self, source: DataSource | None, state: State, *, position_restored: bool) -> None:
         """Forget the open epoch after a checkpoint restored `state` (and maybe the loader's position).

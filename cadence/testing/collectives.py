@@ -226,9 +226,9 @@ class CountingDDPBackend(DDPBackend):
         with self.log.call("backend.all_gather", tensor):
             return super().all_gather(tensor, domain)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, domain: Any = "data") -> list[Any]:
         with self.log.call("backend.all_gather_object"):
-            return super().all_gather_object(obj)
+            return super().all_gather_object(obj, domain)
 
     def agree(self, requests: Any) -> None:
         with self.log.call("backend.agree", requests):
@@ -238,6 +238,6 @@ class CountingDDPBackend(DDPBackend):
         with self.log.call("backend.barrier"):
             super().barrier(timeout)
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0, domain: Any = "optimizer") -> Any:
         with self.log.call("backend.broadcast_object"):
-            return super().broadcast_object(obj, src)
+            return super().broadcast_object(obj, src, domain)

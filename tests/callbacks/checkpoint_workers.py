@@ -123,6 +123,83 @@ def ddp_run(directory: str, stop: int | None = None, resume: str = "none") -> di
         engine.close()
 
 
+# -- plain DataLoaders: the user's own loader, resumed mid-epoch ------------------------------
+
+PLAIN_STEPS = 14  # 64 samples, batches of 8, 2 micro-batches per step: 4 steps per epoch
+
+
+class NoisyDataset(torch.utils.data.Dataset):
+    """Samples with random noise added when read (an augmentation drawing from torch's RNG)."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(99)
+        self.x, self.y = torch.randn(64, 6, generator=generator), torch.randn(64, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index] + 0.1 * torch.randn(6), self.y[index]
+
+
+def plain_loader(kind: str, workers: int, *, rank: int = 0, world: int = 1) -> torch.utils.data.DataLoader:
+    """The loaders users pass: shuffle=True with or without a generator, a replacement sampler, a distributed one."""
+    dataset = NoisyDataset()
+    options: dict[str, Any] = {"batch_size": 8, "num_workers": workers}
+    if kind == "shuffle":
+        options["shuffle"] = True
+    elif kind == "generator":
+        options.update(shuffle=True, generator=torch.Generator().manual_seed(5))
+    elif kind == "replacement":
+        options["sampler"] = torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=64)
+    elif kind == "distributed":
+        options["sampler"] = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=rank, seed=3)
+    else:
+        raise ValueError(kind)
+    return torch.utils.data.DataLoader(dataset, **options)
+
+
+def plain_run(
+    directory: str, out: str | None, *, kind: str, workers: int, stop: int | None = None, backend: str = "local"
+) -> dict[str, Any]:
+    """Train on a plain DataLoader to `stop` (or the end), resuming from `directory` when it holds a checkpoint."""
+    torch.set_num_threads(1)
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.25), torch.nn.Linear(16, 1)
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        recorder = RecordLosses()
+        checkpoint = Checkpoint(dir=directory, interval=5, keep_latest_k=2, auto_resume=True)
+        engine = cadence.Engine(
+            model, optimizer, plain_loader(kind, workers, rank=rank, world=world),
+            loss_fn=torch.nn.functional.mse_loss, callbacks=[recorder, checkpoint], seed=11, grad_accum=2,
+            steps=PLAIN_STEPS, log_interval=1000, backend=backend,
+        )  # fmt: skip
+        if stop is not None:
+            engine.on(cadence.Event.ON_BEFORE_OPTIMIZER_STEP, once=stop)(lambda e: e.request_stop("test"))
+        try:
+            engine.fit()
+        finally:
+            engine.close()
+        result = {
+            "losses": recorder.losses,
+            "params": {k: v.clone() for k, v in engine.model.state_dict().items()},
+            "optimizer": engine.optimizers[0].state_dict(),
+            "state": engine.state.state_dict(),
+            "restored_from": engine.restored_from,
+        }
+        if out is not None:
+            torch.save(result, out)
+        return result
+    except BaseException:
+        if out is not None:
+            Path(out + ".error").write_text(traceback.format_exc())
+        raise
+
+
 # -- the save loop killed at random moments -------------------------------------------------
 
 

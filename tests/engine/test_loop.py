@@ -41,7 +41,7 @@ def step_events(micro_batches):
     return (
         ["on_step_start"]
         + ["on_batch", "on_forward", "on_backward"] * micro_batches
-        + ["on_before_optimizer_step", "on_optimizer_step", "on_step_end"]
+        + ["on_before_optimizer_step", "on_optimizer_step", "on_step_end", "on_save_point"]
     )
 
 
@@ -50,7 +50,7 @@ def test_exact_event_sequence_two_epochs_accumulation_and_evaluation():
     engine = engine_with(recorder, batches=4, grad_accum=2, eval_data=tiny_batches(2, seed=5))
     engine.fit(epochs=2)
     evaluation = ["on_eval_start", "on_eval_batch", "on_eval_batch", "on_log", "on_eval_end"]
-    epoch = ["on_epoch_start", *step_events(2), *step_events(2), *evaluation, "on_epoch_end"]
+    epoch = ["on_epoch_start", *step_events(2), *step_events(2), *evaluation, "on_epoch_end", "on_save_point"]
     assert recorder.events == ["on_setup", "on_fit_start", *epoch, *epoch, "on_fit_end", "on_teardown"]
     assert engine.state.step == 4 and engine.state.epoch == 2 and engine.state.micro_step == 8
 

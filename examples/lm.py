@@ -1,0 +1,453 @@
+"""A small Llama-style language model trained byte-level on Python's own standard library.
+
+    python examples/lm.py                                     # one process, the defaults (lm.yaml)
+    python examples/lm.py engine.steps=20 model.n_layers=2    # overrides
+    python examples/lm.py nproc=2                             # two processes (cadence.launch): DDP
+    python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2
+    python examples/lm.py nproc=4 engine.backend=mesh mesh.shard=2 mesh.tensor=2
+    torchrun --nproc_per_node 2 examples/lm.py                # or under torchrun
+
+The corpus is the `.py` files at the top of the running interpreter's standard
+library (a sorted, fixed list: every machine has it offline), read as bytes;
+files go to validation by a stable hash of their name, so the split is by file.
+The model is a decoder with RMSNorm, rotary position embeddings, grouped-query
+attention and SwiGLU feed-forward blocks. It tells the backends how to
+parallelize it (`parallelize(mesh)`: tensor parallel over the mesh's `tensor`
+axis) and which modules are FSDP2 units (`fsdp_units()`), and counts its own
+training FLOPs per token, from which TrainMetrics logs TFLOP/s and MFU (give
+`peak_flops`, e.g. 989e12 for an H100 in bf16).
+
+The script prints tokens/s and the loss at each log interval, and the
+validation loss at each evaluation. The same file runs unchanged on the
+`local`, `ddp` and `mesh` backends: only `engine.backend` (and `mesh.*`) change.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import cadence
+from cadence.callbacks import TrainMetrics
+from cadence.engine.config_cli import parse_cli
+
+# -- the model ---------------------------------------------------------------------------
+
+
+@attrs.define(kw_only=True)
+class ModelConfig:
+    """The decoder's shape.
+
+    Attributes:
+        dim: width of the residual stream.
+        n_layers: number of transformer blocks.
+        n_heads: attention (query) heads.
+        n_kv_heads: key/value heads (grouped-query attention; divides n_heads).
+        ffn_hidden: hidden width of the SwiGLU feed-forward block.
+        vocab: vocabulary size (256: bytes).
+        seq_len: tokens per training sequence.
+        rope_theta: base of the rotary embedding's frequencies.
+        causal: causal attention (False gives bidirectional attention, e.g. for
+            context parallel on CPU, where only non-causal attention is supported).
+        norm_eps: RMSNorm's epsilon.
+    """
+
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 352
+    vocab: int = 256
+    seq_len: int = 128
+    rope_theta: float = 10000.0
+    causal: bool = True
+    norm_eps: float = 1e-5
+
+    def __attrs_post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"the head width dim/n_heads={self.dim // self.n_heads} must be even for rotary embeddings"
+            )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's rotation angles, (seq_len, head_dim / 2) each."""
+    frequencies = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), frequencies)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of (batch, seq, heads, head_dim) `x`, pairs (even, odd) rotated."""
+    even, odd = x.float()[..., 0::2], x.float()[..., 1::2]
+    cos, sin = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.dim // config.n_heads
+        self.repeats = config.n_heads // config.n_kv_heads
+        self.causal = config.causal
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds its share of the heads.
+        q = rotate(self.wq(x).view(batch, seq, -1, self.head_dim), cos, sin)
+        k = rotate(self.wk(x).view(batch, seq, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.repeats > 1:  # grouped-query attention: each key/value head serves `repeats` query heads
+            k, v = k.repeat_interleave(self.repeats, dim=2), v.repeat_interleave(self.repeats, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder: embeddings, `n_layers` blocks, a final norm and the output projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab, bias=False)
+        cos, sin = rotary_tables(config.dim // config.n_heads, config.seq_len, config.rope_theta)
+        # Not persistent: derived from the config, so checkpoints hold only learned weights.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for name, p in self.named_parameters():
+            if p.ndim == 2:
+                # Scaled init of the residual projections, as in GPT-2 and Llama reference code.
+                residual = name.endswith(("wo.weight", "w2.weight"))
+                std = 0.02 / math.sqrt(2 * self.config.n_layers) if residual else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(x))
+
+    # -- what the backends ask of a model ----------------------------------------------
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules FSDP2 shards as units (each block; the root gets the rest)."""
+        return list(self.layers)
+
+    def parallelize(self, mesh: Any) -> None:
+        """Tensor parallel over `mesh["tensor"]`: Megatron-style column/row splits in every block.
+
+        Query/key/value and the SwiGLU input projections are split by output
+        columns (each rank gets whole heads), the attention output and the
+        SwiGLU output projection by input rows, so each block needs one
+        all-reduce in forward per sub-block. Embeddings, norms and the output
+        projection stay replicated.
+        """
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp = mesh["tensor"]
+        size = tp.size()
+        for what, count in (("n_heads", self.config.n_heads), ("n_kv_heads", self.config.n_kv_heads)):
+            if count % size:
+                raise ValueError(f"model.{what}={count} is not divisible by the tensor axis ({size})")
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }
+        for block in self.layers:
+            parallelize_module(block, tp, plan)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 x (non-embedding parameters) + attention's 12 x layers x dim x seq_len.
+
+        The usual accounting (Kaplan et al., PaLM appendix B): a multiply-add is
+        2 FLOPs, backward costs twice forward; the embedding lookup is free.
+        """
+        c = self.config
+        params = sum(p.numel() for name, p in self.named_parameters() if not name.startswith("tok_embeddings"))
+        return 6.0 * params + 12.0 * c.n_layers * c.dim * c.seq_len
+
+
+# -- the data ------------------------------------------------------------------------------
+
+
+@attrs.define(kw_only=True)
+class DataConfig:
+    """The corpus.
+
+    Attributes:
+        max_bytes: read at most this many bytes of source (files in sorted order).
+        val_every: one file in `val_every` (by a stable hash of its name) goes to validation.
+    """
+
+    max_bytes: int = attrs.field(default=2_000_000, validator=attrs.validators.gt(0))
+    val_every: int = attrs.field(default=10, validator=attrs.validators.ge(2))
+
+
+def stdlib_corpus(config: DataConfig) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Train and validation bytes from the standard library's top-level `.py` files, and the file list."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    if not files:
+        raise FileNotFoundError(f"no .py files under the standard library folder {root}")
+    train: list[bytes] = []
+    val: list[bytes] = []
+    used, total = [], 0
+    for path in files:
+        data = path.read_bytes()
+        if total + len(data) > config.max_bytes and used:
+            break
+        (val if zlib.crc32(path.name.encode()) % config.val_every == 0 else train).append(data)
+        used.append(path.name)
+        total += len(data)
+    if not val:
+        val.append(train.pop())
+
+    def as_tensor(parts: list[bytes]) -> torch.Tensor:
+        return torch.frombuffer(bytearray(b"\n".join(parts)), dtype=torch.uint8)
+
+    return as_tensor(train), as_tensor(val), used
+
+
+class ByteSequences(torch.utils.data.Dataset):
+    """Non-overlapping windows of `seq_len + 1` bytes: (inputs, next-byte targets)."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int) -> None:
+        self.data, self.seq_len = data, seq_len
+        self.count = (len(data) - 1) // seq_len
+        if self.count < 1:
+            raise ValueError(f"{len(data)} bytes hold no sequence of {seq_len + 1}")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.data[index * self.seq_len : (index + 1) * self.seq_len + 1].long()
+        return window[:-1], window[1:]
+
+
+def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+@attrs.define(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay.
+
+    Attributes:
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay.
+        warmup: warmup steps.
+        min_lr_ratio: the final learning rate as a fraction of `lr`.
+    """
+
+    lr: float = attrs.field(default=3e-3, validator=attrs.validators.gt(0))
+    weight_decay: float = 0.1
+    warmup: int = attrs.field(default=20, validator=attrs.validators.ge(0))
+    min_lr_ratio: float = 0.1
+
+
+@attrs.define(kw_only=True)
+class LMConfig:
+    """Everything examples/lm.py reads (defaults: examples/lm.yaml).
+
+    Attributes:
+        model: the decoder's shape.
+        data: the corpus.
+        optim: the optimizer and its schedule.
+        mesh: MeshBackend options when `engine.backend` is "mesh" (axes such as
+            `shard`, `tensor`, `replicate`; see docs/backends.md).
+        peak_flops: one device's peak FLOP/s for MFU (None: not logged).
+        nproc: processes to start with `cadence.launch` (ignored under torchrun,
+            which starts them itself); with more than one, `engine.backend`
+            "auto" is DDP.
+        engine: the loop's settings.
+    """
+
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    optim: OptimConfig = attrs.field(factory=OptimConfig)
+    mesh: dict[str, Any] = attrs.field(factory=dict)
+    peak_flops: float | None = None
+    nproc: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    engine: cadence.EngineConfig = attrs.field(
+        factory=lambda: cadence.EngineConfig(
+            steps=200,
+            seed=0,
+            log_interval=20,
+            eval_every_steps=100,
+            eval_every_epochs=None,
+            lineage="lm",
+            train=cadence.DataConfig(batch_size=16, drop_last=True),
+            eval=cadence.DataConfig(batch_size=16),
+        )
+    )
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, config: OptimConfig, steps: int) -> Any:
+    def factor(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / config.warmup
+        progress = min(1.0, (step - config.warmup) / max(1, steps - config.warmup))
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def make_backend(cfg: LMConfig) -> Any:
+    """The backend named by `engine.backend`, built with `mesh.*` when it is the mesh backend."""
+    if cfg.engine.backend != "mesh":
+        return cfg.engine.backend
+    from cadence.engine import registry
+
+    mesh_backend = registry.backends.resolve("mesh")
+    return mesh_backend(**cfg.mesh) if cfg.mesh else mesh_backend.from_engine_config(cfg.engine)
+
+
+def build_engine(cfg: LMConfig, callbacks: list[Any] | None = None) -> cadence.Engine:
+    torch.manual_seed(cfg.engine.seed or 0)
+    model = Transformer(cfg.model)
+    train_bytes, val_bytes, _ = stdlib_corpus(cfg.data)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    metrics = TrainMetrics(flops_per_token=model.flops_per_token(), peak_flops=cfg.peak_flops, throughput=True)
+    engine = cadence.Engine(
+        model,
+        optimizer,
+        ByteSequences(train_bytes, cfg.model.seq_len),
+        loss_fn=next_byte_loss,
+        eval_data=ByteSequences(val_bytes, cfg.model.seq_len),
+        scheduler=cosine_schedule(optimizer, cfg.optim, cfg.engine.steps or 1000),
+        callbacks=[metrics, *(callbacks or [])],
+        backend=make_backend(cfg),
+        config=cfg.engine,
+        run_config=cfg,
+    )
+    seq_len = cfg.model.seq_len
+
+    # Every sample is seq_len tokens: TrainMetrics reports tokens/s and MFU from this count.
+    @engine.on(cadence.Event.ON_STEP_END)
+    def count_tokens(engine: cadence.Engine) -> None:
+        engine.state.tokens_seen = engine.state.samples_seen * seq_len
+
+    return engine
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Train and evaluate; with `nproc` > 1 (and not under torchrun), on that many local processes."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in args and not any(a in ("-h", "--help") for a in args):
+        args = ["--config", str(Path(__file__).with_name("lm.yaml")), *args]  # the documented defaults
+    cfg = parse_cli(LMConfig, args, prog="examples/lm.py")
+    if cfg.nproc > 1 and "RANK" not in os.environ:
+        from cadence.launch import launch
+
+        return launch(train, cfg, nprocs=cfg.nproc, start_method="fork", timeout=3600)
+    return train(cfg)
+
+
+def train(cfg: LMConfig) -> dict[str, float]:
+    """One process's part of the run; returns the final validation metrics."""
+    engine = build_engine(cfg)
+
+    @engine.on(cadence.Event.ON_LOG, when=lambda engine: engine.backend.is_main)
+    def report(engine: cadence.Engine) -> None:
+        logged = engine.logged
+        if "loss" in logged:
+            tokens = logged.get("throughput.tokens_per_sec")
+            mfu = logged.get("mfu")
+            print(
+                f"step {engine.state.step:5d}  loss {logged['loss']:.4f}"
+                + (f"  tokens/s {tokens:,.0f}" if tokens is not None else "")
+                + (f"  mfu {mfu:.3%}" if mfu is not None else ""),
+                flush=True,
+            )
+        if "val.loss" in logged:
+            print(f"step {engine.state.step:5d}  val.loss {logged['val.loss']:.4f}", flush=True)
+
+    start = time.perf_counter()
+    with engine:
+        engine.fit()
+        results = engine.evaluate()
+        if engine.backend.is_main:
+            tokens = engine.state.tokens_seen * engine.backend.data_size
+            elapsed = time.perf_counter() - start
+            print(
+                f"trained {engine.state.step} steps, {tokens:,} tokens in {elapsed:.1f} s on "
+                f"{engine.backend.describe()}; final val.loss {results['val.loss']:.4f}",
+                flush=True,
+            )
+    return results
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
