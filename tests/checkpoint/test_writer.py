@@ -21,10 +21,10 @@ BIN = ("model.bin", "optimizers.bin", "state.bin")
 
 
 def big_payload(scale: int = 1) -> dict:
-    """`payload()` with a few MB per file, and tensors of state.bin under several top-level keys."""
+    """`payload()` with MBs per file (model.bin large enough for direct I/O), state.bin's tensors under several keys."""
     torch.manual_seed(scale)
     out = payload()
-    out["model"]["big"] = torch.randn(1 << 20)  # 4 MB
+    out["model"]["big"] = torch.randn(3 << 20)  # 12 MB: above direct_io.DIRECT_MIN
     out["optimizers"][0]["state"][0]["exp_avg_sq"] = torch.randn(300_001 * scale)
     out["callbacks"] = {"ema": {"shadow": torch.randn(700_003), "empty": torch.empty(0)}}
     return out
