@@ -20,7 +20,7 @@ import torch
 
 from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, locate, restore
 from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
-from cadence.checkpoint.writer import AsyncWriter, Job
+from cadence.checkpoint.writer import AsyncWriter, Job, staged_size
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
@@ -133,6 +133,7 @@ class Checkpoint(Callback):
         self.store: CheckpointStore = None  # type: ignore[assignment]  # set in on_setup
         self.last_saved: SavedCheckpoint | None = None
         self._writer: AsyncWriter | None = None
+        self._reserving: Any = None  # the handle of `_reserve_staging` until it runs
         self._writes = False  # this rank calls the store's write (the main rank; every rank for collective stores)
         self._main = True
         self._collective = False  # a collective store on more than one rank
@@ -360,6 +361,23 @@ class Checkpoint(Callback):
                 # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
                 self._writer = AsyncWriter(self._commit, supersede=not self._collective)
             self._writer.start()
+            if self._reserving is None and not self._writer.staged:
+                self._reserving = engine.on(Event.ON_STEP_END)(self._reserve_staging)
+
+    def _reserve_staging(self, engine: Engine) -> None:
+        """Once, at the first step's end (the optimizers' state exists then): the first async save's staging
+        buffer, sized from the model and optimizer state and faulted in by a low-priority thread, so that
+        the first save does not pay for fresh memory in the loop (docs/checkpoints.md, "Async saves")."""
+        if self._reserving is not None:
+            self._reserving.remove()
+            self._reserving = None
+        model = engine.model
+        like = {
+            "model": [*model.parameters(), *model.buffers()],
+            "optimizers": [list(optimizer.state.values()) for optimizer in engine.optimizers],
+        }
+        if self._writer is not None:
+            self._writer.reserve(staged_size(like), pin=any(p.is_cuda for p in model.parameters()))
 
     def on_save_point(self, engine: Engine) -> None:
         # Fired after the step's (or the epoch's) evaluation and agreement: what

@@ -361,7 +361,7 @@ def test_tensor_axis_without_parallelize_is_an_error_naming_the_axis(monkeypatch
 
 
 def test_axes_not_built_yet_are_errors_not_ignored(monkeypatch):
-    for axis in ("pipeline", "context", "expert", "expert_tensor"):
+    for axis in ("context", "expert", "expert_tensor"):  # pipeline: tests/distributed/test_pipeline.py
         message = _setup_error(monkeypatch, 2, shard=1, **{axis: 2})
         assert f"{axis}=2 is not supported yet" in message
 

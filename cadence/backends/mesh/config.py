@@ -7,12 +7,13 @@ from typing import Any, Literal
 
 import attrs
 
+from cadence.backends.mesh.pipeline import PipelineConfig
 from cadence.backends.transforms import ActivationCheckpointConfig, CompileConfig
 
 #: Mesh axes, in the order their sizes multiply into the world size.
 AXES: tuple[str, ...] = ("replicate", "shard", "context", "pipeline", "tensor", "expert", "expert_tensor")
 #: Axes this version builds; the others are refused when > 1 (see `MeshConfig`).
-SUPPORTED_AXES: tuple[str, ...] = ("replicate", "shard", "tensor")
+SUPPORTED_AXES: tuple[str, ...] = ("replicate", "shard", "pipeline", "tensor")
 
 
 def _axis(instance: Any, attribute: Any, value: int) -> None:
@@ -39,8 +40,11 @@ class MeshConfig:
     - `tensor`: tensor parallel, laid out by `model.parallelize(mesh)` or the
       backend's `parallelize` function. Every tensor rank of a data group reads
       the same batches.
-    - `context`, `pipeline`, `expert`, `expert_tensor`: not built yet; a size
-      > 1 is an error (never silently ignored).
+    - `pipeline`: pipeline parallel (`torch.distributed.pipelining`), split and
+      scheduled as `pipelining` says; every stage of a data group reads the
+      same batches (see `cadence.backends.mesh.pipeline`).
+    - `context`, `expert`, `expert_tensor`: not built yet; a size > 1 is an
+      error (never silently ignored).
 
     Attributes:
         precision: "fp32", or "bf16": FSDP2's `MixedPrecisionPolicy` with
@@ -61,6 +65,7 @@ class MeshConfig:
         process_group_backend: None: "nccl" with CUDA, else "gloo".
         timeout: collective timeout in seconds.
         checkpoint: "dcp": `torch.distributed.checkpoint`, every rank writes its shards.
+        pipelining: the pipeline axis's split and schedule (`PipelineConfig`).
     """
 
     replicate: int = attrs.field(default=1, validator=_axis)
@@ -81,6 +86,7 @@ class MeshConfig:
     process_group_backend: str | None = None
     timeout: float = attrs.field(default=300.0, validator=_timeout)
     checkpoint: Literal["dcp"] = "dcp"
+    pipelining: PipelineConfig = attrs.field(factory=PipelineConfig)
 
     def __attrs_post_init__(self) -> None:
         rest = [name for name in AXES if getattr(self, name) == -1]
