@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.local import LocalBackend, default_device
+from cadence.backends.transforms import ModelTransforms, UnitsFn
 from cadence.engine.backend import Domain, ReduceOp
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ class DDPBackend(LocalBackend):
         device: None: `cuda:LOCAL_RANK` with NCCL, CPU with gloo.
         precision: "fp32", "bf16" or "fp16" (CUDA), as in `LocalBackend`.
         checkpoint: "file": the main process writes one file checkpoint.
+        compile, activation_checkpointing, units, units_fn: model transforms
+            applied before the DDP wrap, as in `LocalBackend`.
 
     Example:
         >>> import torch, cadence
@@ -78,6 +81,11 @@ class DDPBackend(LocalBackend):
         device: str | None = None,
         precision: str = "fp32",
         checkpoint: str = "file",
+        *,
+        compile: Any = None,
+        activation_checkpointing: Any = None,
+        units: list[str] | None = None,
+        units_fn: UnitsFn | None = None,
     ) -> None:
         if checkpoint != "file":
             raise ValueError(
@@ -104,6 +112,8 @@ class DDPBackend(LocalBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
+        self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name)
+        self.units_fn = units_fn
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> DDPBackend:
@@ -129,12 +139,13 @@ class DDPBackend(LocalBackend):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.set_precision(self.precision_name, self.device)
+        forward = self.prepare_model(engine)  # checkpointing, compile (cadence.backends.transforms)
         engine.model.to(self.device)
         from torch.nn.parallel import DistributedDataParallel
 
         # DDP broadcasts rank 0's parameters and buffers here: every replica starts equal.
         self._wrapped = DistributedDataParallel(
-            engine.model, device_ids=[self.device] if self.device.type == "cuda" else None, **self.ddp_options
+            forward, device_ids=[self.device] if self.device.type == "cuda" else None, **self.ddp_options
         )
         engine.wrapped_model = self._wrapped
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from cadence.backends.transforms import ModelTransforms, UnitsFn, unwrap_compiled
 from cadence.engine.backend import NULL_CONTEXT, Backend, StepPlan
 
 if TYPE_CHECKING:
@@ -58,15 +59,48 @@ class LocalBackend(Backend):
     Args:
         device: `"cpu"`, `"cuda"`, `"cuda:1"`, `"mps"`; None picks CUDA, then MPS, then CPU.
         precision: `"fp32"`, `"bf16"` (autocast), or `"fp16"` (autocast + GradScaler, CUDA only).
+        compile: `torch.compile` of the model's blocks or forward: True, a
+            `cadence.backends.transforms.CompileConfig` or a mapping of its fields.
+        activation_checkpointing: an `ActivationCheckpointConfig` or a mapping
+            (`{"mode": "full", "every": 2}`).
+        units: class names of the model's blocks (default: `model.fsdp_units()`).
+        units_fn: a function `model -> [blocks]` instead.
+
+    Transforms run at `setup` in the order of `cadence.backends.transforms`
+    (checkpointing, then compile); checkpoints keep the plain module's keys.
     """
 
     name = "local"
 
-    def __init__(self, device: str | None = None, precision: str = "fp32") -> None:
+    def __init__(
+        self,
+        device: str | None = None,
+        precision: str = "fp32",
+        *,
+        compile: Any = None,
+        activation_checkpointing: Any = None,
+        units: list[str] | None = None,
+        units_fn: UnitsFn | None = None,
+    ) -> None:
         self.requested_device = device
         self.precision_name = precision
         self.device = default_device(device)
         self.set_precision(precision, self.device)
+        self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name)
+        self.units_fn = units_fn
+
+    def setup(self, engine: Engine) -> None:
+        forward = self.prepare_model(engine)
+        engine.model.to(self.device)
+        engine.wrapped_model = forward
+
+    def prepare_model(self, engine: Engine) -> torch.nn.Module:
+        """Unwrap a `torch.compile`d model into `engine.model` and apply the transforms; returns what forward calls."""
+        plain, forward = unwrap_compiled(engine.model)
+        engine.model = plain
+        if self.transforms.active:
+            self.transforms.apply(plain, self.units_fn)
+        return forward
 
     def set_precision(self, precision: str, device: torch.device) -> None:
         self.precision = Precision.create(precision, device)

@@ -81,6 +81,7 @@ backends = Registry(
     {
         "local": "cadence.backends.local:LocalBackend",
         "ddp": "cadence.backends.ddp:DDPBackend",
+        "mesh": "cadence.backends.mesh:MeshBackend",
     },
 )
 

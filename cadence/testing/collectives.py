@@ -28,7 +28,7 @@ COLLECTIVES: tuple[str, ...] = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
     "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
     "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
-    "barrier", "monitored_barrier",
+    "barrier", "monitored_barrier", "all_gather_single", "reduce_scatter_single",
 )  # fmt: skip
 
 # Frames in these folders (and contextlib) are plumbing, not the caller worth naming.

@@ -1,0 +1,467 @@
+"""The mesh backend: FSDP2 / HSDP and tensor parallel on one named `DeviceMesh`.
+
+Setup, in this order (see docs/backends.md, "Mesh backend"):
+
+1. Validate, before any process group exists: the axes' product against the
+   world size, axes this version cannot build (pipeline, context, expert), a
+   tensor axis without `model.parallelize(mesh)` or a `parallelize` function,
+   `CPUOffloadPolicy` on a machine without an accelerator.
+2. Join the process group; `init_device_mesh` with the named dimensions
+   `("replicate", "shard")`, plus `"tensor"` when it is > 1. The data domain is
+   the flattened replicate x shard group; the optimizer domain is the world.
+3. Keep rank 0's full state (to broadcast in 6).
+4. Transforms: parallelize (tensor axis), activation checkpointing, compile
+   (`cadence.backends.transforms`), then FSDP2 `fully_shard` on every unit and
+   on the root over the data sub-mesh (1-D `shard`, or 2-D `replicate x shard`:
+   HSDP) when the data domain has more than one rank.
+5. Point the optimizers at the new (DTensor) parameters, by name.
+6. Broadcast rank 0's state (`set_model_state_dict(..., broadcast_from_rank0=True)`):
+   replicas built from different seeds start equal (FSDP2 does not broadcast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from cadence.backends.ddp import _OPS, DDPBackend
+from cadence.backends.local import default_device
+from cadence.backends.mesh.config import SUPPORTED_AXES, MeshConfig
+from cadence.backends.transforms import (
+    UnitsFn,
+    apply_activation_checkpointing,
+    apply_compile,
+    find_units,
+    unwrap_compiled,
+)
+from cadence.engine import config as config_module
+from cadence.engine.backend import NULL_CONTEXT, Domain, LocalParameter, ReduceOp, StepPlan
+
+if TYPE_CHECKING:
+    from cadence.engine.engine import Engine, EngineConfig
+
+#: `parallelize(model, mesh)`: lays tensor-parallel placements on the model (returns None or the model).
+ParallelizeFn = Callable[[torch.nn.Module, Any], Any]
+
+
+class MeshBackend(DDPBackend):
+    """FSDP2, HSDP and tensor parallel over a named `DeviceMesh`.
+
+    Args:
+        config: a `MeshConfig`, or a mapping of its fields (merged with keywords).
+        parallelize: `fn(model, mesh)` applying tensor parallelism, used instead
+            of `model.parallelize(mesh)`; `mesh` is the whole `DeviceMesh`
+            (`mesh["tensor"]` is the tensor axis).
+        units_fn: `fn(model) -> [modules]`: the blocks to shard, checkpoint
+            and compile, instead of `model.fsdp_units()` / `config.units`.
+        **kwargs: `MeshConfig` fields (`shard=2, tensor=2, precision="bf16"`, ...).
+
+    Example:
+        >>> import torch, cadence
+        >>> def train():
+        ...     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        ...     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        ...     with cadence.Engine(model, torch.optim.AdamW(model.parameters()), data,
+        ...                         loss_fn=torch.nn.functional.mse_loss, seed=0,
+        ...                         backend=MeshBackend(shard=2, units=["Linear"]),
+        ...                         train=cadence.DataConfig(batch_size=16)) as engine:
+        ...         engine.fit(steps=2)
+        ...         return engine.backend.data_size
+        >>> cadence.launch(train, nprocs=2)  # doctest: +SKIP
+        2
+    """
+
+    name = "mesh"
+
+    def __init__(
+        self,
+        config: MeshConfig | Mapping[str, Any] | None = None,
+        *,
+        parallelize: ParallelizeFn | None = None,
+        units_fn: UnitsFn | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.config = config_module.configure(MeshConfig, config, kwargs, "mesh")
+        self.parallelize_fn = parallelize
+        self.units_fn = units_fn
+        self.process_group_backend = self.config.process_group_backend
+        self.timeout = timedelta(seconds=self.config.timeout)
+        self.requested_device = self.config.device
+        self.precision_name = "fp32"
+        self.created_group = False
+        self.group: Any = None
+        self.set_precision("fp32", torch.device("cpu"))
+        self._wrapped: Any = None
+        self._agree_host: torch.Tensor | None = None
+        self._agree_device: torch.Tensor | None = None
+        self._agree_view: Any = None
+        #: The `DeviceMesh` (dims "replicate", "shard" and "tensor" when > 1), set in setup.
+        self.mesh: Any = None
+        #: Every axis's resolved size.
+        self.sizes: dict[str, int] = {}
+        self.data_group: Any = None
+        self.sharded = False  # whether fully_shard was applied (a data domain of more than one rank)
+        self._fsdp_modules: list[tuple[Any, bool]] = []  # (FSDPModule, its reshard_after_forward)
+        self._root: Any = None
+        self._sync: bool | None = None
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> MeshBackend:
+        if config.precision not in ("fp32", "bf16"):
+            raise ValueError(
+                f"precision={config.precision!r} is not supported by the mesh backend (fp16 needs a sharded "
+                "grad scaler); use 'bf16' or 'fp32'"
+            )
+        return cls(device=config.device, precision=config.precision)
+
+    # -- lifecycle --------------------------------------------------------
+
+    def setup(self, engine: Engine) -> None:
+        if not dist.is_available():
+            raise RuntimeError("MeshBackend: this torch build has no torch.distributed support")
+        plain, forward = unwrap_compiled(engine.model)
+        if forward is not plain:
+            raise ValueError(
+                "mesh: the model is already torch.compile'd; pass the plain module and set "
+                "`compile={'enabled': True}` on the backend, which compiles each block before sharding it"
+            )
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        self.sizes = self.config.sizes(world)
+        self._validate(engine.model)  # all before any process group or collective
+        if not dist.is_initialized():
+            self._init_group()
+        self.group = dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self._choose_device()
+        self._build_mesh()
+        model = engine.model
+        if not self.config.cpu_offload:
+            model.to(self.device)
+        full = model.state_dict() if self.rank == 0 else {}
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._transform(model)
+        _rebind_optimizers(engine.optimizers, names, dict(model.named_parameters()))
+        if self.world_size > 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            # FSDP2 does not broadcast: ranks seeded differently would start apart.
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        engine.wrapped_model = model
+
+    def _validate(self, model: torch.nn.Module) -> None:
+        sizes, config = self.sizes, self.config
+        for axis, size in sizes.items():
+            if size > 1 and axis not in SUPPORTED_AXES:
+                raise NotImplementedError(
+                    f"mesh: {axis}={size} is not supported yet (this version builds {', '.join(SUPPORTED_AXES)}); "
+                    f"set {axis}=1"
+                )
+        if sizes["tensor"] > 1 and self.parallelize_fn is None and not callable(getattr(model, "parallelize", None)):
+            raise ValueError(
+                f"mesh: tensor={sizes['tensor']} needs `model.parallelize(mesh)` ({type(model).__name__} has none) "
+                "or `MeshBackend(parallelize=fn)`; without one the tensor axis would be silently unused"
+            )
+        if config.cpu_offload and not _has_accelerator():
+            raise ValueError(
+                "mesh: cpu_offload=True (FSDP2's CPUOffloadPolicy) needs an accelerator (CUDA, ...) to offload from, "
+                "and this machine has none; set cpu_offload=False"
+            )
+
+    def _init_group(self) -> None:
+        if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+            # One process started as a plain script: a group of one, no launcher needed.
+            backend = self.process_group_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
+            self.created_group = True
+        else:
+            self._init_process_group()
+
+    def _choose_device(self) -> None:
+        if self.requested_device:
+            self.device = default_device(self.requested_device, self.local_rank)
+        elif dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        else:
+            self.device = torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def _build_mesh(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sizes = self.sizes
+        names = ["replicate", "shard"] + (["tensor"] if sizes["tensor"] > 1 else [])
+        self.mesh = init_device_mesh(self.device.type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
+        data = self.mesh["replicate", "shard"]._flatten("data")
+        self.data_group = data.get_group()
+        self.data_rank, self.data_size = data.get_local_rank(), data.size()
+        tensor_only = self.data_size == 1 and sizes["tensor"] > 1
+        # bf16 is FSDP2's MixedPrecisionPolicy when parameters are sharded; autocast otherwise.
+        self.set_precision(self.config.precision if tensor_only else "fp32", self.device)
+
+    def _transform(self, model: torch.nn.Module) -> None:
+        config = self.config
+        if self.sizes["tensor"] > 1:
+            if self.parallelize_fn is not None:
+                self.parallelize_fn(model, self.mesh)
+            else:
+                model.parallelize(self.mesh)  # type: ignore[operator]
+        units = find_units(model, config.units, self.units_fn)
+        apply_activation_checkpointing(units, config.activation_checkpointing)
+        apply_compile(model, units, config.compile)
+        self.sharded = self.data_size > 1
+        if self.sharded:
+            self._shard(model, units)
+
+    def _shard(self, model: torch.nn.Module, units: Sequence[torch.nn.Module]) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        config = self.config
+        mesh = self.mesh["replicate", "shard"] if self.sizes["replicate"] > 1 else self.mesh["shard"]
+        options: dict[str, Any] = {
+            "mesh": mesh,
+            "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+        }
+        if config.precision == "bf16":
+            reduce = torch.float32 if config.reduce_dtype == "fp32" else torch.bfloat16
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+        self._fsdp_modules = []
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
+            self._fsdp_modules.append((unit, config.reshard_after_forward))
+        # The root's parameters (embeddings, heads) are used first in backward: kept gathered after forward.
+        fully_shard(model, reshard_after_forward=False, **options)
+        self._fsdp_modules.append((model, False))
+        self._root = model
+
+    def teardown(self) -> None:
+        self._root, self._fsdp_modules, self.mesh, self.data_group = None, [], None, None
+        super().teardown()
+
+    # -- the step ---------------------------------------------------------
+
+    def step_plan(self, engine: Engine) -> StepPlan:
+        plan = super().step_plan(engine)
+        self._sync = None
+        if not self.sharded:  # tensor-only mesh: gradients are complete after backward
+            plan = attrs.evolve(plan, gradient_sync=None)
+        return plan
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        # FSDP2 walks every FSDPModule on each call: only when the value changes.
+        if enabled is not self._sync:
+            self._root.set_requires_gradient_sync(enabled)
+            self._sync = enabled
+
+    def clip_grad_norm_(self, engine: Engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every gradient together; returns the pre-clip total norm as a plain tensor.
+
+        Norms are taken per group of gradients on the same mesh (DTensors) or
+        plain, made full (`full_tensor()`: over every shard), combined, and the
+        scale is applied to each rank's local part.
+        """
+        from torch.nn.utils import get_total_norm
+
+        grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for grad in grads:
+            groups.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+        norms = []
+        for group in groups.values():
+            norm = get_total_norm(group, norm_type, foreach=True)
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        total = norms[0] if len(norms) == 1 else get_total_norm(norms, norm_type)
+        # As torch.nn.utils.clip_grads_with_norm_, on the local parts (no branch on the host).
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            torch._foreach_mul_(_locals(grads), coef.to(grads[0].device))
+        return total
+
+    # -- what callbacks see ------------------------------------------------
+
+    def local_parameters(self, engine: Engine) -> list[LocalParameter]:
+        """Each trainable parameter with its local shard (`DTensor.to_local()`, sharing its storage)."""
+        with torch.no_grad():
+            return [
+                LocalParameter(name, p, p.to_local() if hasattr(p, "to_local") else p)
+                for name, p in engine.model.named_parameters()
+                if p.requires_grad
+            ]
+
+    def local_gradients(self, engine: Engine) -> list[torch.Tensor]:
+        """This rank's part of every existing gradient (DTensor shards as plain tensors)."""
+        return _locals([p.grad for p in engine.model.parameters() if p.grad is not None])
+
+    def evaluation(self, engine: Engine) -> contextlib.AbstractContextManager[Any]:
+        """Keep gathered parameters through evaluation, so unequal batch counts finish.
+
+        Every FSDP2 forward all-gathers its parameters: a rank with one batch
+        more would wait for peers that are done. Inside this context no module
+        reshards after forward, so each rank's first forward gathers (every
+        rank has at least one batch) and later forwards need no collective;
+        parameters are resharded on exit (no collective). Gathering at the
+        first forward, not on entry, lets `on_eval_start` callbacks (EMA) swap
+        parameters in first.
+        """
+        return self._gathered() if self._fsdp_modules else NULL_CONTEXT
+
+    @contextlib.contextmanager
+    def _gathered(self) -> Iterator[None]:
+        modules = self._fsdp_modules
+        for module, _ in modules:
+            module.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module, reshard in modules:
+                module.reshard()
+                module.set_reshard_after_forward(reshard, recurse=False)
+
+    # -- collectives --------------------------------------------------------
+
+    def _group(self, domain: Domain) -> tuple[Any, int]:
+        if domain == "data":
+            return self.data_group, self.data_size
+        if domain == "optimizer":
+            return self.group, self.world_size
+        raise ValueError(f"unknown domain {domain!r}: expected 'data' or 'optimizer'")
+
+    def process_group(self, domain: Domain = "data") -> Any:
+        """The data domain's group (flattened replicate x shard), or the world for "optimizer"."""
+        return self._group(domain)[0]
+
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", domain: Domain = "data") -> torch.Tensor:
+        """All-reduce a copy of `tensor` over `domain` (no collective when it has one rank)."""
+        if op not in _OPS:
+            raise ValueError(f"reduce(op={op!r}): expected one of {sorted(_OPS)}")
+        group, size = self._group(domain)
+        result = tensor.detach().clone()
+        if op == "mean" and not result.is_floating_point():
+            result = result.double()
+        if size > 1:
+            dist.all_reduce(result, op=_OPS[op], group=group)
+            if op == "mean":
+                result /= size
+        return result
+
+    def all_gather(self, tensor: torch.Tensor, domain: Domain = "data") -> torch.Tensor:
+        """Stack `tensor` from every rank of `domain` along a new first dimension (one collective)."""
+        group, size = self._group(domain)
+        tensor = tensor.detach().contiguous()
+        if size == 1:
+            return tensor.unsqueeze(0)
+        out = torch.empty((size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, tensor.reshape(-1), group=group)
+        return out.view(size, *tensor.shape)
+
+    def all_gather_object(self, obj: Any, domain: Domain = "data") -> list[Any]:
+        group, size = self._group(domain)
+        if size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * size
+        dist.all_gather_object(gathered, obj, group=group)
+        return gathered
+
+    def broadcast_object(self, obj: Any, src: int = 0, domain: Domain = "optimizer") -> Any:
+        group, size = self._group(domain)
+        if size == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, group_src=src, group=group)
+        return holder[0]
+
+    # -- state ------------------------------------------------------------
+    # `torch.distributed.checkpoint.state_dict`: parameter names of the plain
+    # module (FQNs), DTensor values with their global shape. The model state
+    # aliases the live parameters: loading in place writes into the model.
+
+    def model_state_dict(self, engine: Engine) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(engine.model)
+
+    def load_model_state_dict(self, engine: Engine, state: dict[str, Any], strict: bool = True) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        return set_model_state_dict(engine.model, state, options=StateDictOptions(strict=strict))
+
+    def optimizer_state_dicts(self, engine: Engine) -> list[dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return [get_optimizer_state_dict(engine.model, optimizer) for optimizer in engine.optimizers]
+
+    def load_optimizer_state_dicts(self, engine: Engine, states: Sequence[dict[str, Any]]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        if len(states) != len(engine.optimizers):
+            raise ValueError(
+                f"checkpoint has {len(states)} optimizer states, the engine has {len(engine.optimizers)} optimizers"
+            )
+        for optimizer, state in zip(engine.optimizers, states):
+            set_optimizer_state_dict(engine.model, optimizer, state)
+
+    def checkpoint_store(self, engine: Engine) -> Any:
+        """The DCP store (`cadence.checkpoint.dcp_store.DCPStore`): every rank writes its shards."""
+        from cadence.checkpoint.dcp_store import DCPStore
+
+        return DCPStore()
+
+    def describe(self) -> str:
+        axes = " x ".join(f"{n}={s}" for n, s in self.sizes.items() if s > 1) or "one process"
+        pg = dist.get_backend(self.group) if self.group is not None and dist.is_initialized() else "uninitialized"
+        return f"mesh(rank={self.rank}/{self.world_size}, {axes}, {pg}, device={self.device})"
+
+
+def _has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain tensors holding this rank's part of each (a DTensor's local shard; else itself)."""
+    with torch.no_grad():
+        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def _rebind_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], params: dict[str, torch.nn.Parameter]
+) -> None:
+    """Point each optimizer at the parameters that replaced the ones it was built with (by name).
+
+    `fully_shard` and tensor-parallel styles register new DTensor parameters;
+    an optimizer built before setup still holds the old ones.
+    """
+    for optimizer in optimizers:
+        replaced: dict[int, torch.Tensor] = {}
+        for group in optimizer.param_groups:
+            for i, old in enumerate(group["params"]):
+                name = names.get(id(old))
+                if name is None:
+                    if any(old is p for p in params.values()):
+                        continue
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds a parameter of shape {tuple(old.shape)} that is not "
+                        "the model's: build the optimizer from model.parameters()"
+                    )
+                new = params[name]
+                if new is not old:
+                    group["params"][i] = new
+                    replaced[id(old)] = new
+        if replaced and optimizer.state:
+            state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+            state.update({replaced.get(id(k), k): v for k, v in optimizer.state.items()})
+            optimizer.state = state

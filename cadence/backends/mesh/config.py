@@ -1,0 +1,112 @@
+"""`MeshConfig`: the axes of the device mesh and what is applied on it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import attrs
+
+from cadence.backends.transforms import ActivationCheckpointConfig, CompileConfig
+
+#: Mesh axes, in the order their sizes multiply into the world size.
+AXES: tuple[str, ...] = ("replicate", "shard", "context", "pipeline", "tensor", "expert", "expert_tensor")
+#: Axes this version builds; the others are refused when > 1 (see `MeshConfig`).
+SUPPORTED_AXES: tuple[str, ...] = ("replicate", "shard", "tensor")
+
+
+def _axis(instance: Any, attribute: Any, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+        raise ValueError(f"mesh.{attribute.name} must be a size >= 1, or -1 (the rest of the world), got {value!r}")
+
+
+def _timeout(instance: Any, attribute: Any, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"mesh.timeout must be > 0 seconds, got {value!r}")
+
+
+@attrs.define(kw_only=True)
+class MeshConfig:
+    """The mesh backend's options.
+
+    Axes (sizes; their product is the world size, and one of them may be -1:
+    whatever the others leave):
+
+    - `replicate`, `shard`: the data axes. Parameters are sharded over `shard`
+      (FSDP2) and replicated over `replicate` (HSDP when > 1). Together they
+      are the data domain: each (replicate, shard) coordinate reads its own
+      batches; metrics reduce over them.
+    - `tensor`: tensor parallel, laid out by `model.parallelize(mesh)` or the
+      backend's `parallelize` function. Every tensor rank of a data group reads
+      the same batches.
+    - `context`, `pipeline`, `expert`, `expert_tensor`: not built yet; a size
+      > 1 is an error (never silently ignored).
+
+    Attributes:
+        precision: "fp32", or "bf16": FSDP2's `MixedPrecisionPolicy` with
+            bf16 parameters in forward/backward and fp32 gradient reduction
+            (`reduce_dtype`); fp32 master weights stay in the optimizer. On a
+            mesh without data axes (tensor only), bf16 autocasts instead.
+        reduce_dtype: dtype of the gradient reduce-scatter/all-reduce under bf16.
+        reshard_after_forward: free gathered block parameters after forward
+            (gathered again in backward); False keeps them until backward
+            (more memory, fewer all-gathers). The root keeps its own.
+        cpu_offload: FSDP2's `CPUOffloadPolicy` (parameters, gradients and
+            optimizer state on the host); needs an accelerator.
+        units: class names of the blocks to shard (and checkpoint, compile);
+            default `model.fsdp_units()`.
+        activation_checkpointing: see `cadence.backends.transforms.ActivationCheckpointConfig`.
+        compile: see `cadence.backends.transforms.CompileConfig`.
+        device: None: `cuda:LOCAL_RANK` with CUDA, else CPU.
+        process_group_backend: None: "nccl" with CUDA, else "gloo".
+        timeout: collective timeout in seconds.
+        checkpoint: "dcp": `torch.distributed.checkpoint`, every rank writes its shards.
+    """
+
+    replicate: int = attrs.field(default=1, validator=_axis)
+    shard: int = attrs.field(default=-1, validator=_axis)
+    context: int = attrs.field(default=1, validator=_axis)
+    pipeline: int = attrs.field(default=1, validator=_axis)
+    tensor: int = attrs.field(default=1, validator=_axis)
+    expert: int = attrs.field(default=1, validator=_axis)
+    expert_tensor: int = attrs.field(default=1, validator=_axis)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    units: list[str] | None = None
+    activation_checkpointing: ActivationCheckpointConfig = attrs.field(factory=ActivationCheckpointConfig)
+    compile: CompileConfig = attrs.field(factory=CompileConfig)
+    device: str | None = None
+    process_group_backend: str | None = None
+    timeout: float = attrs.field(default=300.0, validator=_timeout)
+    checkpoint: Literal["dcp"] = "dcp"
+
+    def __attrs_post_init__(self) -> None:
+        rest = [name for name in AXES if getattr(self, name) == -1]
+        if len(rest) > 1:
+            raise ValueError(f"mesh: at most one axis may be -1 (the rest of the world), got {rest}")
+
+    def sizes(self, world_size: int) -> dict[str, int]:
+        """Every axis's size on `world_size` processes (-1 resolved).
+
+        Raises ValueError naming the axes, their product and the world size
+        when they do not fit.
+        """
+        given = {name: getattr(self, name) for name in AXES}
+        known = math.prod(v for v in given.values() if v != -1)
+        shown = " x ".join(f"{name}={value}" for name, value in given.items() if value != 1)
+        rest = [name for name, value in given.items() if value == -1]
+        if rest:
+            if world_size % known:
+                raise ValueError(
+                    f"mesh axes {shown}: the fixed axes multiply to {known}, which does not divide the world size "
+                    f"{world_size}, so {rest[0]}=-1 has no size; choose axes whose product divides {world_size}"
+                )
+            given[rest[0]] = world_size // known
+        elif known != world_size:
+            raise ValueError(
+                f"mesh axes {shown or 'all 1'} multiply to {known}, but the world size is {world_size}; "
+                f"make their product {world_size}, or set one axis to -1 (the rest of the world)"
+            )
+        return given
