@@ -5,15 +5,20 @@
     python examples/lm.py nproc=2                             # two processes (cadence.launch): DDP
     python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2
     python examples/lm.py nproc=4 engine.backend=mesh mesh.shard=2 mesh.tensor=2
+    python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=1 mesh.context=2 model.causal=false
+    python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2 mesh.expert=2 model.n_experts=4
     torchrun --nproc_per_node 2 examples/lm.py                # or under torchrun
 
 The corpus is the `.py` files at the top of the running interpreter's standard
 library (a sorted, fixed list: every machine has it offline), read as bytes;
 files go to validation by a stable hash of their name, so the split is by file.
 The model is a decoder with RMSNorm, rotary position embeddings, grouped-query
-attention and SwiGLU feed-forward blocks. It tells the backends how to
-parallelize it (`parallelize(mesh)`: tensor parallel over the mesh's `tensor`
-axis) and which modules are FSDP2 units (`fsdp_units()`), and counts its own
+attention and SwiGLU feed-forward blocks (or, with `model.n_experts`, a
+mixture of SwiGLU experts: `MoE`). It tells the backends how to parallelize it
+(`parallelize(mesh)`: tensor parallel over the mesh's `tensor` axis;
+`context_parallel_buffers(batch)` and `causal`: context parallel, which on CPU
+needs `model.causal=false`, fine for a test model; `MoE.shard_experts`: expert
+parallel) and which modules are FSDP2 units (`fsdp_units()`), and counts its own
 training FLOPs per token, from which TrainMetrics logs TFLOP/s and MFU (give
 `peak_flops`, e.g. 989e12 for an H100 in bf16).
 

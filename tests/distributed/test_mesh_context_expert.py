@@ -351,3 +351,31 @@ def test_expert_axis_errors_name_the_experts(monkeypatch):
     assert "must divide shard x context (1 x 1 = 1)" in message
     message = _setup_error(monkeypatch, 2, model=lm.Transformer(model_config(n_experts=4)), shard=2, expert_tensor=2)
     assert "expert_tensor=2" in message
+
+
+# -- GPU only ----------------------------------------------------------------------------------
+
+
+def train_context_causal_cuda() -> dict:
+    grads = Grads()
+    backend = MeshBackend(shard=1, context=2, context_attention="flash", precision="bf16", timeout=60)
+    with make_engine(model_config(causal=True), backend, 2, [grads], seed=0) as engine:
+        engine.fit(steps=1)
+        return {"loss": grads.loss, "grads": {k: v.float().cpu() for k, v in grads.grads.items()}}
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="ring attention (causal context parallel) exists only for the CUDA flash/efficient/cudnn SDPA kernels; "
+    "needs 2 GPUs",
+)
+def test_context_parallel_ring_attention_causal():
+    got = launch(train_context_causal_cuda, nprocs=2, start_method="spawn", timeout=110)
+    torch.manual_seed(0)
+    model = lm.Transformer(model_config(causal=True)).cuda().bfloat16()
+    x, y = (t[:2].cuda() for t in token_data().tensors)
+    loss = lm.next_byte_loss(model(x), y)
+    loss.backward()
+    assert got["loss"] == pytest.approx(float(loss), rel=2e-2)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad.float().cpu(), rtol=5e-2, atol=5e-3, msg=name)

@@ -3,7 +3,9 @@
 Setup, in this order (see docs/backends.md, "Mesh backend"):
 
 1. Validate, before any process group exists: the axes' product against the
-   world size, axes this version cannot build (pipeline, context, expert), a
+   world size, axes this version cannot build (pipeline, expert_tensor), the
+   context axis's kernel and mask (`context.validate`), the expert axis against
+   the model's experts (`experts.validate`), a
    tensor axis without `model.parallelize(mesh)` or a `parallelize` function,
    `CPUOffloadPolicy` on a machine without an accelerator.
 2. Join the process group; `init_device_mesh` with the named dimensions
