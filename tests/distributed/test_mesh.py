@@ -367,6 +367,13 @@ def test_axes_not_built_yet_are_errors_not_ignored(monkeypatch):
         assert f"{axis}=2 is not supported yet" in message
 
 
+def test_unknown_unit_classes_and_checkpointing_without_blocks_fail_before_any_group(monkeypatch):
+    assert "no module of class ['Blok']" in _setup_error(monkeypatch, 2, shard=2, units=["Blok"])
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    message = _setup_error(monkeypatch, 2, model=plain, shard=2, activation_checkpointing={"mode": "full"})
+    assert "needs the model's blocks" in message
+
+
 def test_cpu_offload_policy_without_an_accelerator_is_a_clear_error(monkeypatch):
     if torch.accelerator.is_available():
         pytest.skip("this machine has an accelerator: CPUOffloadPolicy works here")

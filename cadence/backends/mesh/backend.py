@@ -176,6 +176,10 @@ class MeshBackend(DDPBackend):
                 f"mesh: tensor={sizes['tensor']} needs `model.parallelize(mesh)` ({type(model).__name__} has none) "
                 "or `MeshBackend(parallelize=fn)`; without one the tensor axis would be silently unused"
             )
+        # Unit class names and checkpointing without blocks: wrong before anything is joined.
+        units = find_units(model, config.units, self.units_fn)
+        if config.activation_checkpointing.mode != "none" and not units:
+            apply_activation_checkpointing(units, config.activation_checkpointing)  # raises, naming the fix
         if sizes["context"] > 1:
             from cadence.backends.mesh import context
 
