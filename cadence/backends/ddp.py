@@ -51,7 +51,9 @@ class DDPBackend(LocalBackend):
         gradient_as_bucket_view: gradients alias DDP's buckets (saves a copy).
         device: None: `cuda:LOCAL_RANK` with NCCL, CPU with gloo.
         precision: "fp32", "bf16" or "fp16" (CUDA), as in `LocalBackend`.
-        checkpoint: "file": the main process writes one file checkpoint.
+        checkpoint: "file": the main process writes one file checkpoint; "dcp": every rank
+            writes its part with torch.distributed.checkpoint (`DCPStore`; async saves
+            through DCP's own staging, a checkpoint that loads on any number of ranks).
         compile, activation_checkpointing, units, units_fn: model transforms
             applied before the DDP wrap, as in `LocalBackend`.
 
@@ -87,11 +89,8 @@ class DDPBackend(LocalBackend):
         units: list[str] | None = None,
         units_fn: UnitsFn | None = None,
     ) -> None:
-        if checkpoint != "file":
-            raise ValueError(
-                f"DDPBackend(checkpoint={checkpoint!r}): only 'file' is supported; "
-                "use the mesh backend for sharded (DCP) checkpoints"
-            )
+        if checkpoint not in ("file", "dcp"):
+            raise ValueError(f"DDPBackend(checkpoint={checkpoint!r}): expected 'file' or 'dcp'")
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"DDPBackend(precision={precision!r}): expected 'fp32', 'bf16' or 'fp16'")
         self.process_group_backend = backend
@@ -266,6 +265,14 @@ class DDPBackend(LocalBackend):
     # Model and optimizer state come from the unwrapped `engine.model`
     # (inherited): keys carry no "module." prefix, so a checkpoint made on W
     # ranks loads on W' ranks, or on one process with the local backend.
+
+    def checkpoint_store(self, engine: Engine) -> Any:
+        """The file store (the main process writes), or with checkpoint="dcp" the DCP store (every rank)."""
+        if self.checkpoint_format == "dcp":
+            from cadence.checkpoint.dcp_store import DCPStore
+
+            return DCPStore.for_engine(engine)
+        return super().checkpoint_store(engine)
 
     def describe(self) -> str:
         pg = dist.get_backend(self.group) if self.group is not None and dist.is_initialized() else "uninitialized"

@@ -136,6 +136,10 @@ class Checkpoint(Callback):
         self._writes = False  # this rank calls the store's write (the main rank; every rank for collective stores)
         self._main = True
         self._collective = False  # a collective store on more than one rank
+        # A store that stages itself (DCP's async_save) saves asynchronously through
+        # `store.write_async` instead of the AsyncWriter: one handle per save, in order.
+        self._store_async = False
+        self._handles: list[tuple[Any, Job]] = []
         self._fitting = False
         self._last_key: tuple[int, int, int, int] | None = None
         self._evaluations = 0  # evaluations seen: part of the key that tells a new state from a saved one
@@ -334,7 +338,8 @@ class Checkpoint(Callback):
         self._epoch_interval = interval if unit == "epoch" else 0
         self._save_slot = engine.requests.index["save"]
         self._preempt_slot = engine.requests.index.get("preempt")
-        if config.async_mode == "async" and self._writes:
+        self._store_async = config.async_mode == "async" and bool(getattr(self.store, "stages_itself", False))
+        if config.async_mode == "async" and self._writes and not self._store_async:
             if self._writer is None:
                 # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
                 self._writer = AsyncWriter(self._commit, supersede=not self._collective)
@@ -346,6 +351,8 @@ class Checkpoint(Callback):
         writer = self._writer
         if writer is not None and (writer.done or writer.error is not None):
             self._collect(engine)
+        if self._handles and self._handles[0][0].done():
+            self._collect_handles(engine)
         state, agreed = engine.state, engine.requests.agreed
         forced = agreed[self._save_slot]
         slot = self._preempt_slot
@@ -403,10 +410,21 @@ class Checkpoint(Callback):
                     "checkpoint may be missing",
                     self.config.drain_timeout,
                 )
+        for handle, _ in self._handles:
+            if not handle.wait(self.config.drain_timeout):
+                drained = False
+                logger.error(
+                    "checkpoint: background save of %r still running after %.0f s (drain_timeout)",
+                    handle.name,
+                    self.config.drain_timeout,
+                )
+                break
         if drained and self.store is not None:
             self.store.wait()  # superseded checkpoints are removed in the background
         if writer is not None:
             self._collect(engine, raise_errors=engine.exception is None)
+        if self._handles and drained:
+            self._collect_handles(engine, raise_errors=engine.exception is None)
 
     def save(self, engine: Engine, reason: str = "manual") -> None:
         """Save `latest` now (under DDP every rank must call it); in async mode, returns once staged."""
@@ -416,6 +434,8 @@ class Checkpoint(Callback):
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background writes to be committed; False on timeout (sync mode: True)."""
+        if self._handles:
+            return all(handle.wait(timeout) for handle, _ in self._handles)
         return self._writer.drain(timeout) if self._writer is not None else True
 
     # -- saving ---------------------------------------------------------------------------
@@ -442,7 +462,7 @@ class Checkpoint(Callback):
                         self._dispatch(Job(build_payload(engine), "best", (), state.step, state.epoch, reason), done)
             except Exception as exc:
                 error = exc
-            if self._writer is None and backend.world_size > 1:
+            if self._writer is None and not self._store_async and backend.world_size > 1:
                 backend.barrier(self.config.barrier_timeout)  # the others wait for the main process
                 status = None if error is None else f"{type(error).__name__}: {error}"
                 if self._collective:  # every rank wrote: any of them may have failed
@@ -465,7 +485,9 @@ class Checkpoint(Callback):
 
     def _dispatch(self, job: Job, done: list[Job]) -> None:
         """Hand a job to the background writer, or commit it now (sync mode, writing ranks only)."""
-        if self._writer is not None:
+        if self._store_async:
+            self._submit_to_store(job, done)
+        elif self._writer is not None:
             self._writer.submit(job)
         elif self._writes:
             self._commit(job)
@@ -489,6 +511,37 @@ class Checkpoint(Callback):
             self.store.link("latest", name)
         if any(name.startswith("ckpt-") for name in job.links):
             self._prune()
+
+    def _submit_to_store(self, job: Job, done: list[Job]) -> None:
+        """Async mode with a store that stages itself (DCP): every rank calls `write_async` in the loop.
+
+        The store waits for its previous save before staging the next one, on
+        every rank (no save is dropped, so every rank enters the same
+        collectives); the main rank names the checkpoint right after its
+        commit (no collective there), before the next one can commit.
+        """
+        if job.payload is None:  # only new names for the state last saved: after its commit
+            for handle, _ in self._handles:
+                handle.wait()
+            self._commit(job)
+            done.append(job)
+            return
+        after = (lambda manifest: self._name(job)) if job.links else None
+        handle = self.store.write_async(job.primary, job.payload, after_commit=after)  # type: ignore[attr-defined]
+        self._handles.append((handle, job))
+
+    def _collect_handles(self, engine: Engine, raise_errors: bool = True) -> None:
+        """Fire on_save for the store's committed async saves, in order; raise the first error."""
+        while self._handles and self._handles[0][0].done():
+            handle, job = self._handles.pop(0)
+            error = handle.exception()
+            if error is None:
+                self._committed(engine, job)
+                continue
+            if not raise_errors:
+                logger.error("%s", error)
+                continue
+            raise error
 
     def _prune(self) -> None:
         keep = self.config.keep_latest_k

@@ -174,8 +174,8 @@ def test_no_process_group_and_no_environment_is_a_clear_error(monkeypatch):
 
 
 def test_configuration_errors_and_defaults():
-    with pytest.raises(ValueError, match="only 'file'"):
-        DDPBackend(checkpoint="dcp")
+    with pytest.raises(ValueError, match=r"checkpoint='zip'.*'file' or 'dcp'"):
+        DDPBackend(checkpoint="zip")
     with pytest.raises(ValueError, match="precision"):
         DDPBackend(precision="fp8")
     assert DDPBackend().timeout == DEFAULT_TIMEOUT == timedelta(seconds=300)
