@@ -475,10 +475,10 @@ class MeshBackend(DDPBackend):
             set_optimizer_state_dict(engine.model, optimizer, state)
 
     def checkpoint_store(self, engine: Engine) -> Any:
-        """The DCP store (`cadence.checkpoint.dcp_store.DCPStore`): every rank writes its shards."""
+        """The DCP store (`cadence.checkpoint.dcp_store.DCPStore.for_engine`): every rank writes its shards."""
         from cadence.checkpoint.dcp_store import DCPStore
 
-        return DCPStore()
+        return DCPStore.for_engine(engine)  # loads into the live (DTensor) model, optimizers and callback states
 
     def describe(self) -> str:
         axes = " x ".join(f"{n}={s}" for n, s in self.sizes.items() if s > 1) or "one process"
