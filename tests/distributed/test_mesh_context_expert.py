@@ -10,6 +10,7 @@ before any process group.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -36,6 +37,18 @@ finally:
     sys.path.remove(str(ROOT / "examples"))
 
 SEQ, VOCAB, STEPS, LR, NAN_STEP = 16, 32, 6, 1e-2, 4
+
+
+@pytest.fixture(autouse=True)
+def _collect_before_forking():
+    """Collect the pytest process's garbage before a launch forks it.
+
+    Earlier tests (one-process meshes in this process) leave cyclic garbage
+    holding process-group objects; collected inside a forked rank, its
+    finalizers hung both ranks in a garbage collection (seen once in three
+    runs of this file after tests/distributed/test_mesh.py, load 9).
+    """
+    gc.collect()
 
 
 def model_config(**overrides) -> lm.ModelConfig:
@@ -116,13 +129,13 @@ def make_engine(config, backend, batch_size, callbacks=(), seed=0, shuffle=False
     return engine
 
 
-def one_process(config, batch_size: int, nan_step: int | None = None) -> dict:
+def one_process(config, batch_size: int, nan_step: int | None = None, **options) -> dict:
     grads = Grads()
     callbacks = [grads, NonFiniteSkip(), GradClip(max_norm=0.5)]
     if nan_step is not None:
         callbacks.append(NaNInExpert(rank=0, step=nan_step))
     logged: dict = {}
-    engine = make_engine(config, "local", batch_size, callbacks)
+    engine = make_engine(config, "local", batch_size, callbacks, **options)
     engine.on(cadence.Event.ON_LOG)(lambda e: logged.update(e.logged))
     engine.fit(steps=STEPS)
     return {
@@ -273,7 +286,9 @@ def train_context(options: dict) -> dict:
     rank = int(os.environ["RANK"])
     grads = Grads()
     callbacks = [grads, NonFiniteSkip(), GradClip(max_norm=0.5)]
-    with make_engine(model_config(causal=False), MeshBackend(**options, timeout=30), 2, callbacks, seed=rank) as engine:
+    with make_engine(
+        model_config(causal=False), MeshBackend(**options, timeout=30), 2, callbacks, seed=rank, grad_accum=2
+    ) as engine:
         inputs = engine.model.rope_cos.shape
         engine.fit(steps=STEPS)
         return {
@@ -289,14 +304,16 @@ def train_context(options: dict) -> dict:
 
 def test_context_parallel_math_non_causal_equals_one_process():
     got = launch(train_context, {"shard": 1, "context": 2}, nprocs=2, start_method="fork", timeout=100)
-    ref = one_process(model_config(causal=False), batch_size=2)  # context ranks read the same batches
+    # Context ranks read the same batches; 2 micro-batches per step (gradient sync on the last only).
+    ref = one_process(model_config(causal=False), batch_size=2, grad_accum=2)
     assert got["data"] == (0, 1) and got["schedule"] and got["rope_restored"]
     # engine.loss is the whole sequence's loss (the context ranks' mean).
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)
     for name, grad in ref["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=1e-6, msg=name)
     assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-    torch.testing.assert_close(got["params"], ref["params"], rtol=0, atol=1e-5)
+    # 6 AdamW steps amplify the 1.5e-8 gradient differences: 2.9e-5 measured (deterministic, bitwise across runs).
+    torch.testing.assert_close(got["params"], ref["params"], rtol=0, atol=1e-4)
 
 
 # -- bad configurations: one clear error each, before any process group ----------------------

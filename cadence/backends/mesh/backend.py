@@ -259,11 +259,12 @@ class MeshBackend(DDPBackend):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         config = self.config
-        inner = "shard"
         if self.sizes["context"] > 1:  # parameters sharded over shard x context: gradients averaged over both
-            inner = "shard_context"
-            self.mesh["shard", "context"]._flatten(inner)
-        mesh = self.mesh["replicate", inner] if self.sizes["replicate"] > 1 else self.mesh[inner]
+            flat = self.mesh["shard", "context"]._flatten("shard_context")
+            # Slicing a flattened dim from the root warns (deprecated); the 1-D case keeps the flattened mesh.
+            mesh = self.mesh["replicate", "shard_context"] if self.sizes["replicate"] > 1 else flat
+        else:
+            mesh = self.mesh["replicate", "shard"] if self.sizes["replicate"] > 1 else self.mesh["shard"]
         options: dict[str, Any] = {
             "mesh": mesh,
             "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
