@@ -297,10 +297,13 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens)
+        # A pipeline stage holds some of the layers (the others are None / left out of
+        # `layers`): it takes the previous stage's activations and hands its own on.
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(x))
+        x = self.norm(x) if self.norm is not None else x
+        return self.output(x) if self.output is not None else x
 
     # -- what the backends ask of a model ----------------------------------------------
 
@@ -323,6 +326,18 @@ class Transformer(nn.Module):
         """The mixture-of-experts layers' load-balancing losses of the last forward, summed (0 without experts)."""
         losses = [m.balance_loss for m in self.modules() if isinstance(m, MoE) and m.balance_loss is not None]
         return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    def pipeline_split(self, parts: int) -> list[list[str]]:
+        """Module FQNs of each pipeline stage: the embeddings first, the blocks evenly, the norm and output last."""
+        n = self.config.n_layers
+        if parts > n:
+            raise ValueError(f"a pipeline of {parts} stages needs at least {parts} layers; model.n_layers={n}")
+        split: list[list[str]] = [[] for _ in range(parts)]
+        for i in range(n):
+            split[i * parts // n].append(f"layers.{i}")
+        split[0].insert(0, "tok_embeddings")
+        split[-1] += ["norm", "output"]
+        return split
 
     def fsdp_units(self) -> list[nn.Module]:
         """The modules FSDP2 shards as units (each block; the root gets the rest)."""
@@ -536,10 +551,14 @@ def build_engine(cfg: LMConfig, callbacks: list[Any] | None = None) -> cadence.E
     train_bytes, val_bytes, _ = stdlib_corpus(cfg.data)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     metrics = TrainMetrics(flops_per_token=model.flops_per_token(), peak_flops=cfg.peak_flops, throughput=True)
+    train = ByteSequences(train_bytes, cfg.model.seq_len)
+    if cfg.engine.backend == "mesh" and cfg.mesh.get("pipeline", 1) > 1:
+        # A pipeline runs grad_accum micro-batches of one shape per step: whole steps per epoch on every data rank.
+        train.count -= train.count % (cfg.engine.train.batch_size * cfg.engine.grad_accum * cfg.nproc)
     engine = cadence.Engine(
         model,
         optimizer,
-        ByteSequences(train_bytes, cfg.model.seq_len),
+        train,
         loss_fn=training_loss(model),
         eval_data=ByteSequences(val_bytes, cfg.model.seq_len),
         scheduler=cosine_schedule(optimizer, cfg.optim, cfg.engine.steps or 1000),

@@ -172,15 +172,13 @@ def _save_policy() -> Callable[..., Any]:
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    keep = {
-        aten.mm.default,
-        aten.addmm.default,
-        aten.bmm.default,
-        aten.baddbmm.default,
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
+    names = (
+        "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+    )  # fmt: skip
+    # Looked up one by one: a build may lack an attention kernel.
+    keep = {getattr(aten, name).default for name in names if hasattr(aten, name)}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE

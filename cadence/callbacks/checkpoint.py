@@ -20,7 +20,7 @@ import torch
 
 from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, locate, restore
 from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
-from cadence.checkpoint.writer import AsyncWriter, Job
+from cadence.checkpoint.writer import AsyncWriter, Job, staged_size
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
@@ -133,6 +133,7 @@ class Checkpoint(Callback):
         self.store: CheckpointStore = None  # type: ignore[assignment]  # set in on_setup
         self.last_saved: SavedCheckpoint | None = None
         self._writer: AsyncWriter | None = None
+        self._reserving: Any = None  # the handle of `_reserve_staging` until it runs
         self._writes = False  # this rank calls the store's write (the main rank; every rank for collective stores)
         self._main = True
         self._collective = False  # a collective store on more than one rank
@@ -165,6 +166,11 @@ class Checkpoint(Callback):
         directory = Path(self.config.dir) if self.config.dir else engine.run_dir / "checkpoints"
         backend = engine.backend
         self.store = backend.checkpoint_store(engine).at(directory)
+        if self.config.async_mode == "async" and not self.store.background_safe:
+            raise ValueError(
+                f"Checkpoint(async_mode='async'): the {type(self.store).__name__} writes with collectives on the "
+                "training process group, which a background thread cannot do; use async_mode='disabled'"
+            )
         self._main = backend.is_main
         self._collective = self.store.collective and backend.world_size > 1
         self._writes = self.store.collective or self._main
@@ -306,6 +312,17 @@ class Checkpoint(Callback):
             step = None
         else:
             store, name = locate(engine, self.store, path)
+            if store.restores_model:  # the store loads the module weights itself (DeepSpeed)
+                if config.pretrained_exclude:
+                    raise ValueError(
+                        f"Checkpoint(pretrained_exclude={config.pretrained_exclude}): the {type(store).__name__} "
+                        "loads module weights as a whole; load them without exclusions"
+                    )
+                with store_errors("reading pretrained weights", store.path(name)):
+                    store.read(name, keys=["model"])
+                logger.info("loaded pretrained weights from %s (through the store)", path)
+                engine.fire(Event.ON_LOAD)
+                return
             with store_errors("reading pretrained weights", store.path(name)):
                 payload = store.read(name, keys=["model"])
             state, step = payload["model"], payload.get("meta", {}).get("step")
@@ -344,6 +361,23 @@ class Checkpoint(Callback):
                 # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
                 self._writer = AsyncWriter(self._commit, supersede=not self._collective)
             self._writer.start()
+            if self._reserving is None and not self._writer.staged:
+                self._reserving = engine.on(Event.ON_STEP_END)(self._reserve_staging)
+
+    def _reserve_staging(self, engine: Engine) -> None:
+        """Once, at the first step's end (the optimizers' state exists then): the first async save's staging
+        buffer, sized from the model and optimizer state and faulted in by a low-priority thread, so that
+        the first save does not pay for fresh memory in the loop (docs/checkpoints.md, "Async saves")."""
+        if self._reserving is not None:
+            self._reserving.remove()
+            self._reserving = None
+        model = engine.model
+        like = {
+            "model": [*model.parameters(), *model.buffers()],
+            "optimizers": [list(optimizer.state.values()) for optimizer in engine.optimizers],
+        }
+        if self._writer is not None:
+            self._writer.reserve(staged_size(like), pin=any(p.is_cuda for p in model.parameters()))
 
     def on_save_point(self, engine: Engine) -> None:
         # Fired after the step's (or the epoch's) evaluation and agreement: what
@@ -454,12 +488,13 @@ class Checkpoint(Callback):
         with engine.long_operation("checkpoint save"):
             try:
                 if fresh or links:
-                    payload = build_payload(engine) if fresh else None
+                    payload = build_payload(engine, model=not self.store.restores_model) if fresh else None
                     job = Job(payload, "latest" if fresh else None, links, state.step, state.epoch, reason)
                     self._dispatch(job, done)
                 if ema is not None:
                     with ema.swapped(engine):  # `best` holds the averaged weights; written before they go back
-                        self._dispatch(Job(build_payload(engine), "best", (), state.step, state.epoch, reason), done)
+                        best_payload = build_payload(engine, model=not self.store.restores_model)
+                        self._dispatch(Job(best_payload, "best", (), state.step, state.epoch, reason), done)
             except Exception as exc:
                 error = exc
             if self._writer is None and not self._store_async and backend.world_size > 1:

@@ -43,10 +43,19 @@ class GradClip(Callback):
 
     The backend's `clip_grad_norm_` computes the total norm over every rank's
     shard (sharded backends override it), so clipping is correct however the
-    model is distributed. The pre-clip norm stays on the device as
-    `engine.grad_norm` (no sync); at each reduction of the training metrics
-    (every log interval, and the end of a fit) the last step's norm is
-    logged as `grad_norm` (reduced with `max` over the ranks).
+    model is distributed; it returns the pre-clip norm as a plain 0-d tensor.
+    The norm stays on the device as `engine.grad_norm` (no sync); at each
+    reduction of the training metrics (every log interval, and the end of a
+    fit) the last step's norm is logged as `grad_norm` (reduced with `max`
+    over the ranks).
+
+    Under DeepSpeed clipping happens inside DeepSpeed's optimizer step, after
+    its gradient reduction: `clip_grad_norm_` sets DeepSpeed's clipping to
+    `max_norm` and returns a "deferred" norm, a 0-d tensor that the optimizer
+    step fills with DeepSpeed's global pre-clip 2-norm. In
+    `on_before_optimizer_step` it still holds the previous step's value (NaN
+    before the first step and for a skipped step); from `on_optimizer_step`
+    on it is this step's. Only `norm_type=2` is supported there.
 
     Order: `Order.GRAD_CLIP` (20), after `NonFiniteSkip` (which must see the
     raw gradients: clipping a NaN norm spreads NaN into every gradient).

@@ -90,6 +90,10 @@ class TrainMetrics(Callback):
     checkpoint saves in that gap are not counted. Throughput divides the
     interval's samples by its step plus data-wait time.
 
+    Where `engine.loss` is None (pipeline stages before the last), nothing is
+    kept and `loss` is declared, so the reduction (which takes the last
+    stage's values on every stage) finds the same names everywhere.
+
     Order: `Order.METRICS` (80), after the callbacks that change the step and
     before the sinks (`Order.LOGGER`), which read `engine.logged` in `on_log`.
 
@@ -121,6 +125,7 @@ class TrainMetrics(Callback):
         self._loss_sum = 0.0  # ... or their sum and count, read as they come (on the CPU)
         self._loss_count = 0
         self._read_losses = False
+        self._no_loss = False  # this rank saw `engine.loss is None` (a pipeline stage without the loss)
         self._reset_window(0, 0)
 
     def _reset_window(self, samples: int, tokens: int) -> None:
@@ -155,7 +160,10 @@ class TrainMetrics(Callback):
         self._between_steps = False
 
     def _keep_loss(self, engine: Engine) -> None:
-        loss: torch.Tensor = engine.loss  # type: ignore[assignment]
+        loss = engine.loss
+        if loss is None:  # a pipeline stage before the last: the loss is logged from the last stage
+            self._no_loss = True
+            return
         if self._read_losses:
             self._loss_sum += loss.item()
             self._loss_count += 1
@@ -169,8 +177,9 @@ class TrainMetrics(Callback):
         self._last_end = now
         self._between_steps = True
         if self._loss_at_step_end:
-            if self._read_losses:  # _keep_loss's CPU case, without the call
-                self._loss_sum += engine.loss.item()  # type: ignore[union-attr]
+            loss = engine.loss
+            if self._read_losses and loss is not None:  # _keep_loss's CPU case, without the call
+                self._loss_sum += loss.item()
                 self._loss_count += 1
             else:
                 self._keep_loss(engine)
@@ -207,6 +216,8 @@ class TrainMetrics(Callback):
         if self._loss_count:
             engine.log("loss", self._loss_sum / self._loss_count, "mean", weight=float(self._loss_count))
             self._loss_sum, self._loss_count = 0.0, 0
+        if self._no_loss:  # the same names on every rank: the reduction takes the loss from the last stage
+            engine.metrics.declare("loss")
         if config.learning_rate:
             for name, value in learning_rates(engine.optimizers):
                 engine.log(name, value, "last")

@@ -4,15 +4,20 @@
 where the kernel offers them; `Prefault` faults such memory in from other threads ahead of
 its use (`MADV_POPULATE_WRITE`: one call per piece instead of one page fault per page);
 `cached_fraction` says how much of a file is in the page cache (`mincore`).
+`image_empty` gives memory that holds files' bytes exactly as they will be on the disk
+(the async writer's staging), and `write_image` writes such a file image with direct I/O.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import sys
 import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +28,9 @@ PREFAULT_NICE = 10  # ... but it is work ahead: lower priority (Linux: per threa
 LINUX = sys.platform.startswith("linux")
 O_DIRECT = getattr(os, "O_DIRECT", 0) if LINUX else 0
 _HUGE = 2 << 20
+_WRITE = 32 << 20  # bytes per direct write: few Python iterations, several requests in flight in the kernel
+DIRECT_MIN = 8 << 20  # smaller images are written buffered: a direct write waits on the device, for little CPU saved
+_images: dict[int, int] = {}  # start address -> length of the live buffers from `image_empty`
 _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
 
 
@@ -36,6 +44,84 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
         last = (buffer.data_ptr() + nbytes) // _HUGE * _HUGE
         _madvise(first, last - first, _MADV_HUGEPAGE)
     return buffer
+
+
+def image_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """Page-aligned bytes (`nbytes` rounded up to ALIGN) that `image_of` recognizes as file images.
+
+    Pinned (`pin`) for copies from a CUDA device. Uninitialized: the user zeroes what a file
+    holds between its tensors. Its pages are not touched here (see `Prefault`, `populate`).
+    Recognized while the returned tensor object lives (views of it alone do not count).
+    """
+    nbytes = -(-nbytes // ALIGN) * ALIGN
+    if pin:
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
+        skip = -raw.data_ptr() % ALIGN
+        buffer = raw[skip : skip + nbytes]
+    else:
+        buffer = aligned_empty(nbytes)
+    start = buffer.data_ptr()
+    _images[start] = nbytes
+    weakref.finalize(buffer, _images.pop, start, None)  # the registration ends with the buffer object
+    return buffer
+
+
+def image_of(tensors: list[torch.Tensor], offsets: list[int], size: int) -> torch.Tensor | None:
+    """The bytes of a file of `size` bytes holding `tensors` at `offsets` as one page-aligned buffer
+    (rounded up to ALIGN), if they lie that way in a buffer from `image_empty`; else None."""
+    if not _images or not hasattr(os, "pwrite"):
+        return None
+    base = storage = None
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        if not tensor.numel():
+            continue
+        if storage is None:
+            storage, base = tensor.untyped_storage(), tensor.data_ptr() - offset
+        elif tensor.data_ptr() - offset != base or tensor.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+    if storage is None or base is None or base % ALIGN:
+        return None
+    length = -(-size // ALIGN) * ALIGN
+    start = storage.data_ptr()
+    inside = any(s <= base and base + length <= s + n for s, n in list(_images.items()))  # (a copy: GC may edit)
+    if not inside or base + length > start + storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage, base - start, (length,))
+
+
+def write_image(path: Any, fd: int, image: torch.Tensor, size: int, written: Callable[[int], None]) -> None:
+    """Write `image` (from `image_of`) from offset 0 of the open file `fd` at `path`, then cut the file to `size`.
+
+    With direct I/O where the filesystem takes it: the disk reads the bytes from `image`
+    itself, with no copy into the page cache. That copy and the page cache's new pages
+    are most of what a buffered write costs in CPU time (0.3-2 CPU-s per GB on a virtual
+    machine against 0.02-0.05), time a training loop running beside the write loses.
+    Elsewhere (tmpfs, some network filesystems, not Linux), and for files under
+    DIRECT_MIN (a direct write waits on the device: 0.5 MB in three files took 48 ms
+    against 36 ms buffered), the same writes go through the page cache. `written(n)` is
+    called as the first `n` bytes are written.
+    """
+    direct = -1
+    if O_DIRECT and size >= DIRECT_MIN:
+        with contextlib.suppress(OSError):  # EINVAL: this filesystem has no direct I/O
+            direct = os.open(path, os.O_WRONLY | O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    view = memoryview(image.numpy())  # type: ignore[arg-type]
+    try:
+        position = 0
+        while position < len(view):
+            try:
+                position += os.pwrite(direct if direct >= 0 else fd, view[position : position + _WRITE], position)
+            except OSError as exc:
+                if direct < 0 or exc.errno != errno.EINVAL:
+                    raise
+                os.close(direct)  # an alignment this device refuses: the rest through the page cache
+                direct = -1
+                continue
+            written(min(position, size))
+    finally:
+        if direct >= 0:
+            os.close(direct)
+    os.ftruncate(fd, size)
 
 
 class Prefault:

@@ -1,6 +1,7 @@
 """Bytes for the file checkpoint store: tensors to files and back, checksums, atomic filesystem steps.
 
-Tensor bytes go straight from tensor memory to the file (no copy in Python)
+Tensor bytes go straight from tensor memory to the file (no copy in Python; staged
+copies laid out as the file, with direct I/O: `direct_io.write_image`)
 while a second thread computes the checksum (`Checksum`: XXH3-64 of the file's
 bytes; xxhash releases the GIL), and `posix_fadvise(DONTNEED)` starts writeback
 early so the final fsync has little left to do. Reading is in
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import xxhash
 
+from cadence.checkpoint import direct_io
 from cadence.checkpoint.store import CheckpointError
 
 logger = logging.getLogger("cadence.checkpoint")
@@ -81,9 +83,14 @@ def split(payload: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Any, .
             return tuple(walk(v, file) for v in obj)
         return obj
 
-    # The large entries get a file each (a pretrained load reads model.bin only); the small rest share one.
-    tree = {key: walk(value, f"{key}.bin" if key in _OWN_FILE else "state.bin") for key, value in payload.items()}
+    tree = {key: walk(value, file_for(key)) for key, value in payload.items()}
     return tree, table, groups
+
+
+def file_for(key: Any) -> str:
+    """The file that holds the tensors under a payload's top-level `key`."""
+    # The large entries get a file each (a pretrained load reads model.bin only); the small rest share one.
+    return f"{key}.bin" if key in _OWN_FILE else "state.bin"
 
 
 def padded(position: int) -> int:
@@ -212,36 +219,66 @@ def hex_digest(value: int) -> str:
 
 
 def write_tensors(path: Path, tensors: list[torch.Tensor], durable: bool) -> tuple[int, int]:
-    """Write tensors' bytes, each from a `padded` offset; returns (size, XXH3-64 of the file). Fsynced when `durable`."""
+    """Write tensors' bytes, each from a `padded` offset; returns (size, XXH3-64 of the file). Fsynced when `durable`.
+
+    Tensors that already lie in memory as the file will (the async writer's staging, see
+    `direct_io.image_of`) are written as that one buffer, with direct I/O where the
+    filesystem has it; others chunk by chunk through the page cache.
+    """
     checksum = Checksum(threaded=sum(t.numel() * t.element_size() for t in tensors) >= _THREADED)
+    offsets, size = [], 0
+    for tensor in tensors:
+        offsets.append(padded(size))
+        size = offsets[-1] + tensor.numel() * tensor.element_size()
+    image = direct_io.image_of(tensors, offsets, size)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
-            written = started = 0
-            for tensor in tensors:
-                if padded(written) > written:  # the tensor table (`split`) places tensors at these offsets
-                    gap = _ZEROS[: padded(written) - written]
-                    _write_all(fd, memoryview(gap))
-                    checksum.update(gap)
-                    written = padded(written)
-                flat = _flat_bytes(tensor)
-                for i in range(0, flat.numel(), CHUNK):
-                    chunk = flat[i : i + CHUNK]
-                    _write_all(fd, memory(chunk))
-                    checksum.update(chunk)
-                    written += chunk.numel()
-                    if durable and written - started >= _WRITEBACK and FADVISE:
-                        # Start writing these pages to disk now (without waiting) so the
-                        # final fsync has little left to do.
-                        os.posix_fadvise(fd, started, written - started, os.POSIX_FADV_DONTNEED)
-                        started = written
+            if image is not None:
+                _write_image(path, fd, image, size, checksum)
+            else:
+                _write_chunks(fd, tensors, checksum, durable)
             if durable:
                 os.fsync(fd)
         finally:
             os.close(fd)
     finally:
         value = checksum.finish()
-    return written, value
+    return size, value
+
+
+def _write_image(path: Path, fd: int, image: torch.Tensor, size: int, checksum: Checksum) -> None:
+    fed = 0
+
+    def written(end: int) -> None:  # the checksum reads the file's bytes, in order, as they are written
+        nonlocal fed
+        if end > fed:
+            checksum.update(image[fed:end])
+            fed = end
+
+    direct_io.write_image(path, fd, image, size, written)
+    written(size)
+
+
+def _write_chunks(fd: int, tensors: list[torch.Tensor], checksum: Checksum, durable: bool) -> None:
+    written = started = 0
+    for tensor in tensors:
+        if padded(written) > written:  # the tensor table (`split`) places tensors at these offsets
+            gap = _ZEROS[: padded(written) - written]
+            _write_all(fd, memoryview(gap))
+            checksum.update(gap)
+            written = padded(written)
+        flat = _flat_bytes(tensor)
+        for i in range(0, flat.numel(), CHUNK):
+            chunk = flat[i : i + CHUNK]
+            _write_all(fd, memory(chunk))
+            checksum.update(chunk)
+            written += chunk.numel()
+            if durable and written - started >= _WRITEBACK and FADVISE:
+                # Start writing these pages to disk now (without waiting) so the
+                # final fsync has little left to do.
+                os.posix_fadvise(fd, started, written - started, os.POSIX_FADV_DONTNEED)
+                started = written
 
 
 def write_bytes(path: Path, data: Any, durable: bool) -> tuple[int, int]:

@@ -254,12 +254,36 @@ class FileStore(CheckpointStore):
         return manifest
 
     def verify(self, name: str) -> dict[str, Any]:
+        return self._consistent(name, self._verify)
+
+    def _verify(self, name: str) -> dict[str, Any]:
         manifest, folder, _, table = self._skeleton(name)
         self._check_sizes(folder, manifest, manifest["files"])
         self._read_files(folder, manifest, table, [file for file in manifest["files"] if file != PAYLOAD], None)
         return manifest
 
     def read(self, name: str, keys: Iterable[str] | None = None) -> dict[str, Any]:
+        return self._consistent(name, lambda name: self._read(name, keys))
+
+    def _consistent(self, name: str, work: Any) -> Any:
+        """`work(name)`, again if `name` was committed anew while it ran (another writer's exchange).
+
+        A commit swaps the whole folder in one step, but a reader opens its files
+        one by one: one that started on the old folder can meet the new one's
+        files, which looks like damage. When the folder under `name` changed
+        during the read, the read starts over on the new one; damage in a
+        folder that stayed put is reported as it is.
+        """
+        for _ in range(_RETRIES):
+            before = _identity(self.path(name))
+            try:
+                return work(name)
+            except CheckpointError:
+                if before is None or _identity(self.path(name)) == before:
+                    raise
+        return work(name)
+
+    def _read(self, name: str, keys: Iterable[str] | None) -> dict[str, Any]:
         manifest, folder, tree, table = self._skeleton(name)
         if keys is not None:
             wanted = set(keys) | {"format", "version", "meta"}
@@ -343,6 +367,23 @@ class FileStore(CheckpointStore):
                 path=folder,
                 step=manifest.get("step"),
             )
+
+
+_RETRIES = 10
+
+
+def _identity(folder: Path) -> tuple[int, ...] | None:
+    """Which folder a name points at now, or None if none.
+
+    The inode alone is not enough: a removed folder's inode number is reused
+    by the next temporary folder, so a name can point at "the same" inode again
+    after two commits; the change time tells them apart.
+    """
+    try:
+        stat = os.stat(folder)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns
 
 
 def _claimed_step(raw: bytes) -> str:

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("cadence.checkpoint")
 
+#: Payload key a store sets when its `read` already restored model and optimizer
+#: (DeepSpeed's engine loads its own checkpoint): `restore` then leaves them alone.
+RESTORED_BY_STORE = "restored_by_store"
+
 #: Engine config fields that give the saved data position its meaning.
 DATA_FIELDS = ("grad_accum", "train.batch_size", "train.drop_last")
 
@@ -48,8 +52,11 @@ def stateful_callbacks(engine: Engine) -> dict[str, Any]:
     return found
 
 
-def build_payload(engine: Engine) -> dict[str, Any]:
+def build_payload(engine: Engine, *, model: bool = True) -> dict[str, Any]:
     """Everything a bitwise resume needs, as references (no copies).
+
+    `model=False` leaves model and optimizer states out (empty) for a store
+    that saves them itself (`CheckpointStore.restores_model`).
 
     A collective: every rank must call it. The train position is gathered
     over the data domain (one entry per data rank, indexed by `data_rank` on
@@ -78,8 +85,8 @@ def build_payload(engine: Engine) -> dict[str, Any]:
             "time": time.time(),
         },
         "engine": state,
-        "model": backend.model_state_dict(engine),
-        "optimizers": backend.optimizer_state_dicts(engine),
+        "model": backend.model_state_dict(engine) if model else {},
+        "optimizers": backend.optimizer_state_dicts(engine) if model else [],
         "schedulers": [scheduler.state_dict() for scheduler in engine.schedulers],
         "data": {"train": positions} if any(p is not None for p in positions) else {},
         "rng": rngs,
@@ -155,7 +162,10 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
     config, callback states); a problem raises `CheckpointError` naming
     `source` and the step, with the engine untouched. `strict=False` turns
     missing/unexpected model keys and callback states, and config changes
-    that void the data position, into warnings.
+    that void the data position, into warnings. A payload marked
+    `restored_by_store` (the DeepSpeed store's `read` loaded model and
+    optimizer through DeepSpeed's engine, after its own checks) skips the
+    model and optimizer checks and loads.
     """
     step = _step_of(payload)
 
@@ -170,8 +180,12 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
         if key not in payload:
             raise fail(f"the payload has no {key!r} entry")
     backend, warnings = engine.backend, list[str]()
-    _check_model(engine, payload["model"], strict, (), fail, warnings)
-    optimizers = _check_optimizers(engine, payload["optimizers"], fail, warnings)
+    # A store that restored model and optimizer itself (DeepSpeed) marks the payload: they are not touched here.
+    by_store = bool(payload.get(RESTORED_BY_STORE))
+    optimizers: list[Any] = []
+    if not by_store:
+        _check_model(engine, payload["model"], strict, (), fail, warnings)
+        optimizers = _check_optimizers(engine, payload["optimizers"], fail, warnings)
     if len(payload["schedulers"]) != len(engine.schedulers):
         raise fail(
             f"it holds {len(payload['schedulers'])} scheduler state(s), the engine has {len(engine.schedulers)} "
@@ -216,7 +230,8 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
     # Validated: from here on the engine changes.
     part = "model"
     try:
-        backend.load_model_state_dict(engine, payload["model"], strict=strict)
+        if not by_store:
+            backend.load_model_state_dict(engine, payload["model"], strict=strict)
         ordered = sorted(callbacks.items(), key=lambda kv: not getattr(kv[1], "restore_with_model", False))
         early = [(k, cb) for k, cb in ordered if getattr(cb, "restore_with_model", False)]
         for key, callback in early:

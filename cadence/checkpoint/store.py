@@ -90,9 +90,19 @@ class CheckpointStore(abc.ABC):
 
     Attributes:
         collective: `write` and `read` are collectives of every rank (see above).
+        background_safe: `write` may run in the callback's writer thread while
+            the loop trains (async saves). False for a store whose writes run
+            collectives on the training group (DeepSpeed's `save_checkpoint`):
+            `Checkpoint(async_mode="async")` is then refused at setup.
+        restores_model: `read` puts model and optimizer back itself (DeepSpeed's
+            engine loads its own files) and marks the payload
+            `restored_by_store`; payloads for `write` may leave them out
+            (`build_payload(engine, model=False)`).
     """
 
     collective: ClassVar[bool] = False
+    background_safe: ClassVar[bool] = True
+    restores_model: ClassVar[bool] = False
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         self.directory = None if directory is None else Path(directory)

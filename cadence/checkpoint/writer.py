@@ -14,7 +14,9 @@ at its next step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,70 +24,189 @@ from typing import Any
 import attrs
 import torch
 
+from cadence.checkpoint import direct_io, file_io
+
 
 class Staging:
-    """CPU copies of a payload's tensors, kept and reused while shapes and dtypes stay the same."""
+    """CPU copies of a payload's tensors, kept and reused while shapes and dtypes stay the same.
+
+    The copies live in a page-aligned buffer (`direct_io.image_empty`), laid out as the
+    file store's files hold them: the tensors of each file (`file_io.file_for` of their
+    top-level key) in walk order, each at the `file_io.padded` offset the file gives it,
+    zeros in between, each file starting on a page. The store then writes each file as
+    one buffer with direct I/O (`direct_io.write_image`): no copy into the page cache in
+    the background, where it would take CPU time from the training loop. Other stores
+    see ordinary tensors.
+
+    `reserve(nbytes)` allocates the buffer ahead of the first save and faults its pages
+    in from a low-priority thread, so that the first save copies into memory that is
+    ready, as every later one does (see docs/checkpoints.md, "Async saves").
+    """
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.busy = False
+        self._pools: list[torch.Tensor] = []  # usually one; more when the payload outgrew a reserve
+        self._layout: tuple[Any, ...] | None = None
+        self._prefault: threading.Thread | None = None
+        self._prefault_lock = threading.Lock()
+        self._prefault_stop = False
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return sum(pool.numel() for pool in self._pools)
+
+    def reserve(self, nbytes: int, pin: bool = False) -> None:
+        """Allocate `nbytes` of staging now and fault its pages in, in the background (no-op once allocated)."""
+        if self._pools or nbytes <= 0:
+            return
+        self._pools = [direct_io.image_empty(nbytes, pin=pin)]
+        self._prefault_stop = False
+        self._prefault = threading.Thread(
+            target=self._fault_in, args=(self._pools[0],), name="cadence-staging-prefault", daemon=True
+        )
+        self._prefault.start()
+
+    def _fault_in(self, pool: torch.Tensor) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # work ahead of need: the loop comes first (Linux)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), direct_io.PREFAULT_NICE)
+        for i in range(0, pool.numel(), _PREFAULT_PIECE):
+            with self._prefault_lock:
+                if self._prefault_stop:
+                    return
+                piece = pool[i : i + _PREFAULT_PIECE]
+                if not direct_io.populate(piece):
+                    piece.zero_()  # no MADV_POPULATE_WRITE (Linux < 5.14): touch the pages (nothing is staged yet)
+
+    def close(self) -> None:
+        """Stop faulting in the reserved buffer (it stays allocated)."""
+        with self._prefault_lock:
+            self._prefault_stop = True
+        if self._prefault is not None:
+            self._prefault.join()
+            self._prefault = None
 
     def stage(self, payload: Any) -> Any:
-        """A copy of `payload` whose tensors live in this staging's buffers (other leaves deep-copied)."""
-        used: set[tuple[Any, ...]] = set()
-        seen: dict[tuple[Any, ...], torch.Tensor] = {}
+        """A copy of `payload` whose tensors live in this staging's buffer (other leaves deep-copied)."""
+        sources = _sources(payload)
+        self.close()  # the copies below write the buffer (and fault in what the thread has not)
+        staged = self._place(list(sources.values()))
         synchronize = False
+        for identity, (_, _, source) in sources.items():
+            cuda = source.device.type == "cuda"
+            # Device-to-host copies run asynchronously into pinned memory; one sync below.
+            staged[identity].copy_(source, non_blocking=cuda)
+            synchronize = synchronize or cuda
+        if synchronize:
+            torch.cuda.synchronize()
 
-        def walk(obj: Any, path: tuple[Any, ...]) -> Any:
-            nonlocal synchronize
+        def build(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 source = obj.detach()
-                if source.layout != torch.strided or type(source) is not torch.Tensor:
+                if not _plain(source):
                     return source.clone()  # sparse or subclass tensors: a plain copy, not a reused buffer
-                identity = (
-                    source.device,
-                    source.untyped_storage().data_ptr(),
-                    source.storage_offset(),
-                    tuple(source.shape),
-                    tuple(source.stride()),
-                    source.dtype,
-                )
-                if identity in seen:  # tied weights stay tied
-                    return seen[identity]
-                buffer = self.buffers.get(path)
-                if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-                    pin = source.device.type == "cuda"
-                    buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
-                    self.buffers[path] = buffer
-                # Device-to-host copies run asynchronously into pinned memory; one sync below.
-                buffer.copy_(source, non_blocking=source.device.type == "cuda")
-                synchronize = synchronize or source.device.type == "cuda"
-                used.add(path)
-                seen[identity] = buffer
-                return buffer
+                return staged[_identity(source)]  # tied weights stay tied
             if isinstance(obj, dict):
                 out: dict[Any, Any] = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
                 for key, value in obj.items():
-                    out[key] = walk(value, (*path, key))
+                    out[key] = build(value)
                 if hasattr(obj, "_metadata"):
                     out._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
                 return out
             if isinstance(obj, list):
-                return [walk(v, (*path, i)) for i, v in enumerate(obj)]
+                return [build(v) for v in obj]
             if isinstance(obj, tuple):
-                return tuple(walk(v, (*path, i)) for i, v in enumerate(obj))
+                return tuple(build(v) for v in obj)
             return copy.deepcopy(obj)
 
-        staged = walk(payload, ())
-        for path in set(self.buffers) - used:  # the payload changed shape: free what is gone
-            del self.buffers[path]
-        if synchronize:
-            torch.cuda.synchronize()
-        return staged
+        return build(payload)
+
+    def _place(self, sources: list[Source]) -> dict[tuple[Any, ...], torch.Tensor]:
+        """A buffer for each source, by identity: the previous ones while the layout is the same."""
+        layout = tuple((path, file, tuple(s.shape), s.dtype, s.device.type == "cuda") for path, file, s in sources)
+        if layout != self._layout:
+            self._layout = None
+            offsets, sizes = _layout(sources)
+            images = {file: _page(size) for file, size in sizes.items()}
+            pin = any(cuda for *_, cuda in layout)
+            pools = [pool for pool in self._pools if pool.is_pinned() or not pin]
+            starts: dict[str, tuple[int, int]] = {}  # file -> (pool, start): the files in order, each in one pool
+            k = used = 0
+            for n, (file, length) in enumerate(images.items()):
+                while k < len(pools) and used + length > pools[k].numel():
+                    k, used = k + 1, 0
+                if k == len(pools):  # no room left (a reserve too small): one more buffer for the files left
+                    pools.append(direct_io.image_empty(sum(list(images.values())[n:]), pin=pin))
+                starts[file], used = (k, used), used + length
+            self._pools = pools[: k + 1]
+            placed: dict[str, int] = {}
+            buffers = {}
+            for path, file, source in sources:
+                n = placed.get(file, 0)
+                placed[file] = n + 1
+                k, base = starts[file]
+                start = base + offsets[file][n]
+                nbytes = source.numel() * source.element_size()
+                buffers[path] = self._pools[k][start : start + nbytes].view(source.dtype).view(source.shape)
+                end = base + (offsets[file][n + 1] if n + 1 < len(offsets[file]) else images[file])
+                self._pools[k][start + nbytes : end].zero_()  # what the file holds after the tensor: zeros
+            self.buffers = buffers
+            self._layout = layout
+        return {_identity(source): self.buffers[path] for path, _, source in sources}
+
+
+_PREFAULT_PIECE = 64 << 20
+_SLACK = 1 << 20  # `reserve`: room for the small tensors a payload adds (RNG states)
+
+Source = tuple[tuple[Any, ...], str, torch.Tensor]  # path in the payload, file, tensor
+
+
+def staged_size(payload: Any) -> int:
+    """The bytes a `Staging` of `payload` takes, plus room for the small entries of a full payload (RNG states)."""
+    return sum(map(_page, _layout(list(_sources(payload).values()))[1].values())) + _SLACK
+
+
+def _sources(payload: Any) -> dict[tuple[Any, ...], Source]:
+    """The payload's plain tensors, each once (by identity), in walk order."""
+    sources: dict[tuple[Any, ...], Source] = {}
+
+    def collect(obj: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(obj, torch.Tensor):
+            source = obj.detach()
+            if _plain(source):
+                sources.setdefault(_identity(source), (path, file_io.file_for(path[0]) if path else "", source))
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                collect(value, (*path, key))
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                collect(value, (*path, i))
+
+    collect(payload, ())
+    return sources
+
+
+def _layout(sources: list[Source]) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Each file's tensor offsets (as `file_io.split` lays them out) and size, files in order of appearance."""
+    offsets: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for _, file, source in sources:
+        offset = file_io.padded(sizes.get(file, 0))
+        offsets.setdefault(file, []).append(offset)
+        sizes[file] = offset + source.numel() * source.element_size()
+    return offsets, sizes
+
+
+def _page(size: int) -> int:
+    return -(-size // direct_io.ALIGN) * direct_io.ALIGN
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and type(t) is torch.Tensor and not t.is_quantized
+
+
+def _identity(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 @attrs.define
@@ -140,6 +261,18 @@ class AsyncWriter:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="cadence-checkpoint-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def staged(self) -> bool:
+        """Whether a staging buffer is allocated (by a save or `reserve`)."""
+        return any(s.nbytes for s in self._stagings)
+
+    def reserve(self, nbytes: int, pin: bool = False) -> None:
+        """Allocate a staging buffer of `nbytes` ahead of the first save, faulted in from a background thread."""
+        with self._cond:
+            staging = next((s for s in self._stagings if not s.busy), None)
+        if staging is not None and not self.staged:
+            staging.reserve(nbytes, pin)
 
     def submit(self, job: Job) -> None:
         """Stage `job.payload` and queue the job (waits while a job it may not replace is waiting)."""
@@ -210,6 +343,8 @@ class AsyncWriter:
     def close(self, timeout: float | None = None) -> bool:
         """Drain, then stop the thread; False if writes were still running after `timeout` s."""
         drained = self.drain(timeout)
+        for staging in self._stagings:
+            staging.close()
         with self._cond:
             self._closing = True
             self._cond.notify_all()

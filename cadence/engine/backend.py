@@ -296,6 +296,16 @@ class Backend:
         """
         return _NULL
 
+    def eval_forward(self, engine: Engine) -> Callable[[Any], tuple[Any, torch.Tensor | None]] | None:
+        """The forward `evaluate()` and `predict()` run per batch, or None: they call the model themselves.
+
+        Asked once per evaluation/prediction. A backend whose ranks hold parts
+        of the model (pipeline stages) returns `fn(batch) -> (outputs, loss)`,
+        both None on ranks without them (only the last stage has the
+        outputs and the loss; the loss is None when the batch has no targets).
+        """
+        return None
+
     # -- collectives --------------------------------------------------------
 
     def process_group(self, domain: Domain = "data") -> Any:

@@ -555,14 +555,21 @@ class Engine:
             where = f"while evaluating split {split!r} at step {self.state.step}"
             store = MetricStore()
             self._active_metrics, self._metric_prefix = store, f"{split}."
+            staged = self.backend.eval_forward(self)  # None: the model's own forward
             try:
                 if metrics is not None:
                     metrics.reset()  # what a previous evaluation or a failed one left
                 self.fire(Event.ON_EVAL_START)
+                if staged is not None:
+                    store.declare(f"{split}.loss")  # ranks without the loss (pipeline stages) take part
                 for batch in source.epoch_iter(0, fresh=True):
                     self.batch = self._place(batch)
-                    with self.backend.autocast():
-                        means, outputs = self._eval_step(self.batch)
+                    if staged is not None:
+                        self.outputs, loss = staged(self.batch)
+                        means, outputs = ({} if loss is None else {"loss": loss}), self.outputs
+                    else:
+                        with self.backend.autocast():
+                            means, outputs = self._eval_step(self.batch)
                     if metrics is not None:
                         self._update_metrics(metrics, outputs, where)
                     weight = float(batch_size(self.batch))
@@ -611,12 +618,15 @@ class Engine:
         `cadence.callbacks.PredictionWriter`, which writes per-rank shards.
         Dataset order needs the sample indices (`engine.batch_indices`): known
         for Datasets the engine builds loaders for; for other data the shares
-        are joined in rank order.
+        are joined in rank order. Under pipeline parallel only the last stage
+        has outputs: the other stages return an empty list (`engine.outputs` is
+        None there in on_predict_batch).
         """
         source = self._source(data, "predict")
         outputs: list[Any] = []
         result: Any = outputs
         with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
+            staged = self.backend.eval_forward(self)  # None: the model's own forward
             self.fire(Event.ON_PREDICT_START)
             batches = source.epoch_iter(0, fresh=True)
             indices, seen = source.sample_indices(), 0
@@ -625,6 +635,13 @@ class Engine:
                 if indices is not None:
                     count = batch_size(self.batch)
                     self.batch_indices, seen = indices[seen : seen + count], seen + count
+                if staged is not None:
+                    inputs = self.batch[0] if isinstance(self.batch, (tuple, list)) else self.batch
+                    self.outputs = staged(inputs)[0]
+                    self.fire(Event.ON_PREDICT_BATCH)
+                    if self.outputs is not None:
+                        outputs.append(self.outputs)
+                    continue
                 with self.backend.autocast():
                     inputs = self.batch[0] if isinstance(self.batch, (tuple, list)) else self.batch
                     self.outputs = self.wrapped_model(inputs)

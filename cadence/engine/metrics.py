@@ -97,7 +97,7 @@ class MetricStore:
         names = self.names()
         values = self._host_values(names)
         pairs = [_local_pair(self._series[name], values[name]) for name in names]
-        if backend.data_size == 1:  # one data rank: nothing to gather or compare
+        if backend.world_size == 1:  # one rank: nothing to gather or compare
             result = {name: _finish(self._series[name].reduce, [a], [b]) for name, (a, b) in zip(names, pairs)}
         else:
             result = self._gather(backend, names, pairs)
@@ -110,7 +110,8 @@ class MetricStore:
         dtype = torch.float32 if device.type == "mps" else torch.float64
         packed = [float(zlib.crc32("\0".join(names).encode())), *(x for pair in pairs for x in pair)]
         rows = backend.all_gather(torch.tensor(packed, dtype=dtype, device=device), domain="data").tolist()
-        if any(row[0] != rows[0][0] for row in rows):
+        # Against this rank's names too: a backend may hand every rank other ranks' rows (pipeline stages get the last's).
+        if any(row[0] != packed[0] for row in rows):
             raise RuntimeError(
                 f"ranks logged different metrics since the last reduction (this rank: {names}); "
                 "log the same names on every rank, or declare them with engine.metrics.declare()"

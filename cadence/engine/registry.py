@@ -81,6 +81,7 @@ backends = Registry(
     {
         "local": "cadence.backends.local:LocalBackend",
         "ddp": "cadence.backends.ddp:DDPBackend",
+        "deepspeed": "cadence.backends.deepspeed:DeepSpeedBackend",
         "mesh": "cadence.backends.mesh:MeshBackend",
     },
 )

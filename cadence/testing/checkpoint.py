@@ -86,5 +86,5 @@ def check(
 def _saved_state(engine: Any, callback: Any, latest: Path) -> Any:
     """The callback's state as the checkpoint file holds it (None when it has no state)."""
     store, name = engine.backend.checkpoint_store(engine).locate(latest)
-    states = store.read(name)["callbacks"]
+    states = store.read(name, keys=["callbacks"])["callbacks"]  # the payload only (a DeepSpeed store loads nothing)
     return states.get(callback.state_key) if snapshot_state(callback) is not None else None

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.ddp import DDPBackend
+from cadence.engine.backend import Backend
 
 #: torch.distributed functions the log wraps (when this torch has them).
 COLLECTIVES: tuple[str, ...] = (
@@ -211,12 +212,10 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return lines
 
 
-class CountingDDPBackend(DDPBackend):
-    """`DDPBackend` whose own collectives are recorded too (as `backend.<method>`)."""
+class _Counting(Backend):
+    """Records a backend's own collectives (as `backend.<method>`) in `self.log`; mixed in before a backend class."""
 
-    def __init__(self, log: CollectiveLog, **options: Any) -> None:
-        super().__init__(**options)
-        self.log = log
+    log: CollectiveLog
 
     def reduce(self, tensor: Any, op: Any = "sum", domain: Any = "data") -> Any:
         with self.log.call("backend.reduce", tensor):
@@ -241,3 +240,19 @@ class CountingDDPBackend(DDPBackend):
     def broadcast_object(self, obj: Any, src: int = 0, domain: Any = "optimizer") -> Any:
         with self.log.call("backend.broadcast_object"):
             return super().broadcast_object(obj, src, domain)
+
+
+class CountingDDPBackend(_Counting, DDPBackend):
+    """`DDPBackend` whose own collectives are recorded too (as `backend.<method>`)."""
+
+    def __init__(self, log: CollectiveLog, **options: Any) -> None:
+        super().__init__(**options)
+        self.log = log
+
+
+def counting(backend: Any, log: CollectiveLog) -> Any:
+    """`backend` (any distributed backend, not yet set up) with its own collectives recorded too."""
+    cls = type(backend)
+    backend.__class__ = type(f"Counting{cls.__name__}", (_Counting, cls), {})
+    backend.log = log
+    return backend

@@ -105,6 +105,7 @@ def check_callback(
     timeout: float = 60.0,
     workdir: str | Path | None = None,
     raise_on_failure: bool = True,
+    backend: Callable[[], Any] | None = None,
 ) -> Report:
     """Check a callback against the engine's contract on a tiny run.
 
@@ -125,6 +126,9 @@ def check_callback(
         timeout: seconds before a multi-rank run counts as hung.
         workdir: where runs write (default: a temporary directory, removed after).
         raise_on_failure: raise `ContractError` when a property is broken.
+        backend: a function returning a fresh, not yet set up backend for each
+            engine (e.g. `lambda: DeepSpeedBackend(zero_stage=2)`), in one
+            process and on every rank; None: local in one process, DDP on ranks.
 
     Returns:
         The `Report` (also when everything passed).
@@ -153,7 +157,7 @@ def check_callback(
     if unknown:
         raise ValueError(f"check_callback(checks=...): unknown {unknown}; choose from {list(CHECKS)}")
     make = callback_maker(factory, config)
-    scenario = Scenario(steps=steps, engine_options=dict(engine_options or {}))
+    scenario = Scenario(steps=steps, engine_options=dict(engine_options or {}), backend=backend)
     report = Report(describe(factory))
     with _workdir(workdir) as root:
         started = time.perf_counter()

@@ -93,7 +93,7 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 
 def _worker(make: Callable[..., Any], workdir: str, scenario: Scenario, timeout: float) -> None:
-    from cadence.testing.collectives import CollectiveLog, CountingDDPBackend, EventMarker
+    from cadence.testing.collectives import CollectiveLog, CountingDDPBackend, EventMarker, counting
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     root = Path(workdir)
@@ -106,7 +106,10 @@ def _worker(make: Callable[..., Any], workdir: str, scenario: Scenario, timeout:
     faulthandler.dump_traceback_later(max(1.0, timeout - 3.0), file=stacks)
     try:
         with log.patch_torch_distributed():
-            backend = CountingDDPBackend(log, timeout=timeout)
+            if scenario.backend is not None:
+                backend = counting(scenario.backend(), log)
+            else:
+                backend = CountingDDPBackend(log, timeout=timeout)
             engine, _, probe = build_engine(
                 make, root, scenario, backend=backend, rank=rank, world_size=world_size, extra=[EventMarker(log)]
             )

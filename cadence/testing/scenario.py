@@ -50,12 +50,15 @@ class Scenario:
         batch_size: global batch size, split across ranks.
         log_interval: the engine's log interval (so `on_log` fires).
         engine_options: more `Engine` keyword arguments (config fields, `grad_accum`, ...).
+        backend: builds a fresh backend for each engine (one process and every rank
+            of the rank checks); None: the local backend in one process, DDP on ranks.
     """
 
     steps: int = 3
     batch_size: int = 8
     log_interval: int = 2
     engine_options: Mapping[str, Any] = attrs.field(factory=dict)
+    backend: Callable[[], Any] | None = None
 
 
 def callback_maker(factory: Factory, config: Mapping[str, Any] | None) -> Callable[[HarnessContext], Any]:
@@ -153,6 +156,8 @@ def build_engine(
 ) -> tuple[Engine, Any, Probe]:
     """A fresh engine on the scenario's model and data with the callback, a probe and `extra`."""
     workdir.mkdir(parents=True, exist_ok=True)
+    if isinstance(backend, str) and backend == "local" and scenario.backend is not None:
+        backend = scenario.backend()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -183,7 +188,8 @@ def build_engine(
 
 
 def parameters(engine: Engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()}
+    # Through the backend: whole tensors also where parameters are partitioned (DeepSpeed ZeRO-3; a collective).
+    return {k: v.detach().cpu().clone() for k, v in engine.backend.model_state_dict(engine).items()}
 
 
 def engine_state(engine: Engine) -> dict[str, Any]:

@@ -258,6 +258,19 @@ def test_async_saves_commit_fire_on_save_and_drain_at_teardown(tmp_path: Path) -
     assert FileStore(tmp_path).manifest("latest")["step"] == 12
 
 
+def test_the_first_async_save_copies_into_staging_reserved_at_the_first_step(tmp_path: Path) -> None:
+    engine, ckpt = make(tmp_path, checkpoint={"interval": 2, "async_mode": "async", "save_on_fit_end": False})
+    engine.fit(steps=1)
+    staging = max(ckpt._writer._stagings, key=lambda s: s.nbytes)
+    assert staging.nbytes, "no staging reserved at the first step end: the first save pays for fresh memory"
+    assert not [t for t in threading.enumerate() if t.name == "cadence-staging-prefault"]  # joined at teardown
+    pool = staging._pools[0]
+    engine.fit(steps=1)  # the first save, at step 2 (the reserve, armed again, is a no-op now)
+    assert staging._pools == [pool]  # the reserve held the whole payload
+    assert all(pool.data_ptr() <= t.data_ptr() < pool.data_ptr() + pool.numel() for t in staging.buffers.values())
+    assert FileStore(tmp_path).manifest("latest")["step"] == 2
+
+
 def test_writer_replaces_a_waiting_latest_but_never_drops_history() -> None:
     release, committed = threading.Event(), []
 

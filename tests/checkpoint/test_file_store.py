@@ -6,6 +6,8 @@ import collections
 import errno
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -272,3 +274,42 @@ def test_large_tensors_go_through_the_threaded_checksum(tmp_path: Path) -> None:
     big = torch.randn(3 * (file_io.CHUNK // 4) // 2 + 7)  # 1.5 chunks: several writes and reads
     store.write("latest", {"meta": {"step": 1}, "model": {"w": big}})
     assert torch.equal(store.read("latest")["model"]["w"], big)
+
+
+@pytest.mark.timeout(60)
+def test_a_read_racing_a_commit_sees_the_old_or_the_new_checkpoint_never_a_mix(tmp_path: Path) -> None:
+    """A reader that opened `latest` before a concurrent commit swapped it starts over on the new folder."""
+    store = FileStore(tmp_path, durable=False)
+
+    def payload(step: int) -> dict:
+        return {"meta": {"step": step}, "model": {"w": torch.full((64, 1024), float(step))}}
+
+    store.write("latest", payload(0))
+    stop, errors, seen = threading.Event(), [], []
+
+    def commit_forever() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            store.write("latest", payload(step))
+            time.sleep(0.005)  # commits back to back, far closer than any checkpoint interval
+
+    writer = threading.Thread(target=commit_forever)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            try:
+                read = store.read("latest")
+            except CheckpointError as exc:
+                errors.append(str(exc))
+                continue
+            step = read["meta"]["step"]
+            assert torch.equal(read["model"]["w"], torch.full((64, 1024), float(step)))
+            seen.append(step)
+            store.verify("latest")
+    finally:
+        stop.set()
+        writer.join()
+    assert not errors, errors[:3]
+    assert len(set(seen)) > 3  # the reads really raced many commits

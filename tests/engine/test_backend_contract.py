@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 import cadence
-from cadence import Callback
+from cadence import Callback, Event
 from cadence.backends.local import LocalBackend
 from cadence.callbacks import EMA, NonFiniteSkip
 from tests.conftest import tiny_batches, tiny_model
@@ -182,3 +182,100 @@ def test_ema_averages_through_local_parameters():
     with ema.swapped(engine):
         averaged = [p.detach().clone() for p in engine.model.parameters()]
     assert all(torch.equal(a, s) for a, s in zip(averaged, ema.shadow))
+
+
+class HalfStages(LocalBackend):
+    """Pretends to be a pipeline stage without the loss (as the first stage): `eval_forward` gives nothing back."""
+
+    def __init__(self, last: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.last = last
+        self.forwards = 0
+
+    def eval_forward(self, engine):
+        def forward(batch):
+            self.forwards += 1
+            if not self.last:
+                return None, None
+            outputs = engine.model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+            loss = F.cross_entropy(outputs, batch[1]) if isinstance(batch, (tuple, list)) else None
+            return outputs, loss
+
+        return forward
+
+
+def test_eval_forward_replaces_the_models_forward_in_evaluate_and_predict():
+    data = tiny_batches(5)
+    plain = cadence.Engine(tiny_model(), None, eval_data=data, predict_data=data, loss_fn=F.cross_entropy, seed=0)
+    last = HalfStages(last=True)
+    staged = cadence.Engine(
+        tiny_model(), None, eval_data=data, predict_data=data, loss_fn=F.cross_entropy, seed=0, backend=last
+    )
+    assert staged.evaluate()["val.loss"] == plain.evaluate()["val.loss"]
+    assert last.forwards == 5
+    assert all(torch.equal(a, b) for a, b in zip(staged.predict(), plain.predict()))
+    # A rank without the loss declares it (names match at the reduction) and predicts nothing.
+    first = HalfStages(last=False)
+    engine = cadence.Engine(
+        tiny_model(), None, eval_data=data, predict_data=data, loss_fn=F.cross_entropy, seed=0, backend=first
+    )
+    assert list(engine.evaluate()) == ["val.loss"]
+    assert engine.predict() == []
+    assert first.forwards == 10
+
+
+class NoLoss(Callback):
+    """What a pipeline stage before the last shows TrainMetrics: `engine.loss` is None (backward still runs)."""
+
+    order = 1
+
+    def on_fit_start(self, engine):
+        engine.on(Event.ON_FORWARD, order=79)(self.hide)
+        engine.on(Event.ON_FORWARD, order=81)(self.show)
+
+    def hide(self, engine):
+        self.loss, engine.loss = engine.loss, None
+
+    def show(self, engine):
+        engine.loss = self.loss
+
+    def on_step_end(self, engine):
+        engine.loss = None
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_train_metrics_tolerates_no_loss_and_declares_it(grad_accum):
+    from cadence.callbacks import TrainMetrics
+
+    model = tiny_model()
+    engine = cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_batches(8),
+        loss_fn=F.cross_entropy,
+        callbacks=[NoLoss(), TrainMetrics()],
+        log_interval=2,
+        grad_accum=grad_accum,
+        seed=0,
+    )
+    engine.fit(steps=2)
+    assert "loss" in engine.logged and engine.logged["loss"] != engine.logged["loss"]  # declared, no value: NaN
+
+
+def test_metric_names_are_checked_against_this_ranks_own():
+    from cadence.engine.metrics import MetricStore
+
+    class OthersRows(LocalBackend):
+        """Hands back another rank's row (as a pipeline stage gets the last stage's)."""
+
+        world_size = 2
+
+        def all_gather(self, tensor, domain="data"):
+            other = tensor.clone()
+            other[0] += 1  # another name checksum
+            return other.unsqueeze(0)
+
+    store = MetricStore()
+    store.log("loss", 1.0)
+    with pytest.raises(RuntimeError, match="ranks logged different metrics"):
+        store.compute(OthersRows())

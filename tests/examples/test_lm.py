@@ -55,6 +55,15 @@ def test_lm_trains_on_two_ranks_and_its_loss_falls(tmp_path):
     assert trained < untrained - 1.0, out
 
 
+@pytest.mark.timeout(180)
+def test_lm_trains_as_a_pipeline_on_two_ranks(tmp_path):
+    overrides = ["engine.backend=mesh", "mesh={pipeline: 2, shard: 1}", "engine.grad_accum=2", "nproc=2"]
+    out = run(tmp_path, "engine.steps=30", *overrides)
+    assert "mesh(rank=0/2, pipeline=2" in out
+    assert "loss" in out.split("step    10")[1].splitlines()[0]  # rank 0 (the first stage) logs the last stage's loss
+    assert final_val_loss(out) < math.log(256) - 1.0, out
+
+
 def test_model_parts_the_backends_use():
     sys.path.insert(0, str(ROOT / "examples"))
     try:
@@ -64,6 +73,8 @@ def test_model_parts_the_backends_use():
     config = lm.ModelConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64, seq_len=16)
     model = lm.Transformer(config)
     assert model.fsdp_units() == list(model.layers)
+    assert model.pipeline_split(2) == [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "norm", "output"]]
+    assert model.pipeline_split(3) == [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2", "norm", "output"]]
     params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("tok_embeddings"))
     assert model.flops_per_token() == 6 * params + 12 * 3 * 32 * 16
     assert "rope_cos" not in model.state_dict()  # derived buffers stay out of checkpoints

@@ -1,15 +1,18 @@
-"""The mesh backend: FSDP2 / HSDP and tensor parallel on one named `DeviceMesh`.
+"""The mesh backend: FSDP2 / HSDP, tensor and pipeline parallel on one named `DeviceMesh`.
 
 Setup, in this order (see docs/backends.md, "Mesh backend"):
 
 1. Validate, before any process group exists: the axes' product against the
-   world size, axes this version cannot build (pipeline, expert_tensor), the
-   context axis's kernel and mask (`context.validate`), the expert axis against
-   the model's experts (`experts.validate`), a
+   world size, axes this version cannot build (expert_tensor), the context
+   axis's kernel and mask (`context.validate`), the expert axis against the
+   model's experts (`experts.validate`), a
    tensor axis without `model.parallelize(mesh)` or a `parallelize` function,
+   a pipeline axis without a valid split (`cadence.backends.mesh.pipeline`),
    `CPUOffloadPolicy` on a machine without an accelerator.
 2. Join the process group; `init_device_mesh` with the named dimensions
-   `("replicate", "shard")`, plus `"tensor"` when it is > 1. The data domain is
+   `("replicate", "shard")`, plus `"pipeline"` (first) and `"tensor"` (last) when
+   they are > 1; with a pipeline, rank 0's whole model is broadcast and each
+   rank keeps its stages' layers (`Pipeline`). The data domain is
    the flattened replicate x shard group; the optimizer domain is the world.
 3. Keep rank 0's full state (to broadcast in 6).
 4. Transforms: parallelize (tensor axis), activation checkpointing, compile
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from cadence.backends.ddp import _OPS, DDPBackend
 from cadence.backends.local import default_device
 from cadence.backends.mesh.config import SUPPORTED_AXES, MeshConfig
+from cadence.backends.mesh.pipeline import Pipeline, SplitFn, refuse_short_steps, resolve_split
 from cadence.backends.transforms import (
     UnitsFn,
     apply_activation_checkpointing,
@@ -64,6 +68,9 @@ class MeshBackend(DDPBackend):
             (`mesh["tensor"]` is the tensor axis).
         units_fn: `fn(model) -> [modules]`: the blocks to shard, checkpoint
             and compile, instead of `model.fsdp_units()` / `config.units`.
+        pipeline_split: `fn(model, parts) -> [[fqn, ...], ...]`: the module
+            FQNs of each pipeline stage, instead of `model.pipeline_split(parts)`
+            (`config.pipelining.module_fqns_per_model_part` comes first).
         **kwargs: `MeshConfig` fields (`shard=2, tensor=2, precision="bf16"`, ...).
 
     Example:
@@ -89,6 +96,7 @@ class MeshBackend(DDPBackend):
         *,
         parallelize: ParallelizeFn | None = None,
         units_fn: UnitsFn | None = None,
+        pipeline_split: SplitFn | None = None,
         **kwargs: Any,
     ) -> None:
         self.config = config_module.configure(MeshConfig, config, kwargs, "mesh")
@@ -118,6 +126,11 @@ class MeshBackend(DDPBackend):
         self.context_mesh: Any = None
         self.expert_mesh: Any = None
         self._expert_params: list[torch.Tensor] = []
+        # -- pipeline axis (cadence.backends.mesh.pipeline) --
+        self.pipeline_split_fn = pipeline_split
+        self._split: list[list[str]] | None = None
+        #: This rank's stages and schedule when the pipeline axis is > 1, else None.
+        self.pipeline: Pipeline | None = None
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> MeshBackend:
@@ -142,6 +155,8 @@ class MeshBackend(DDPBackend):
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.sizes = self.config.sizes(world)
         self._validate(engine.model)  # all before any process group or collective
+        if self.sizes["pipeline"] > 1:
+            self._validate_pipeline(engine)
         if not dist.is_initialized():
             self._init_group()
         self.group = dist.group.WORLD
@@ -152,11 +167,13 @@ class MeshBackend(DDPBackend):
         model = engine.model
         if not self.config.cpu_offload:
             model.to(self.device)
-        full = model.state_dict() if self.rank == 0 else {}
+        if self._split is not None:
+            self._setup_pipeline(engine)
+        full = model.state_dict() if self.rank == 0 and self.pipeline is None else {}
         names = {id(p): n for n, p in model.named_parameters()}
         self._transform(model)
         _rebind_optimizers(engine.optimizers, names, dict(model.named_parameters()))
-        if self.world_size > 1:
+        if self.world_size > 1 and self.pipeline is None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             # FSDP2 does not broadcast: ranks seeded differently would start apart.
@@ -183,6 +200,11 @@ class MeshBackend(DDPBackend):
         if sizes["context"] > 1:
             from cadence.backends.mesh import context
 
+            if sizes["pipeline"] > 1:
+                raise NotImplementedError(
+                    f"mesh: context={sizes['context']} with pipeline={sizes['pipeline']} is not supported yet "
+                    "(each runs the step's micro-batches its own way); set one of them to 1"
+                )
             context.validate(model, sizes["context"], config.context_attention, self._expected_device_type())
         from cadence.backends.mesh import experts
 
@@ -224,7 +246,8 @@ class MeshBackend(DDPBackend):
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes = self.sizes
-        names = ["replicate", "shard"] + [n for n in ("context", "tensor") if sizes[n] > 1]
+        names = (["pipeline"] if sizes["pipeline"] > 1 else []) + ["replicate", "shard"]
+        names += [n for n in ("context", "tensor") if sizes[n] > 1]
         self.mesh = init_device_mesh(self.device.type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
         data = self.mesh["replicate", "shard"]._flatten("data")
         self.data_group = data.get_group()
@@ -283,10 +306,71 @@ class MeshBackend(DDPBackend):
         self._fsdp_modules.append((model, False))
         self._root = model
 
+    # -- pipeline axis (cadence.backends.mesh.pipeline) ----------------------
+
+    def _validate_pipeline(self, engine: Engine) -> None:
+        """Everything a pipeline axis needs that can be checked before any process group exists."""
+        sizes = self.sizes
+        if sizes["tensor"] > 1:
+            raise NotImplementedError(
+                f"mesh: pipeline={sizes['pipeline']} with tensor={sizes['tensor']} is not supported yet "
+                "(pipeline runs with the data axes, replicate and shard); set tensor=1"
+            )
+        if engine.step_fn is not None or engine.loss_fn is None:
+            raise ValueError(
+                "mesh: a pipeline computes the loss on its last stage as loss_fn(outputs, targets) over "
+                "(inputs, targets) batches: pass loss_fn= to the Engine (step_fn and a model returning its "
+                "own loss need the whole model)"
+            )
+        if engine.eval_fn is not None:
+            raise ValueError(
+                "mesh: eval_fn(model, batch) needs the whole model, which a pipeline stage does not hold; "
+                "evaluation logs loss_fn's loss (read engine.outputs on the last stage in on_eval_batch for more)"
+            )
+        self._split = resolve_split(engine.model, self.config.pipelining, sizes["pipeline"], self.pipeline_split_fn)
+
+    def _setup_pipeline(self, engine: Engine) -> None:
+        """Equal start (rank 0's whole model), then this rank's stages; optimizers keep only their parameters."""
+        assert self._split is not None
+        model = engine.model
+        if self.world_size > 1:
+            with torch.no_grad():
+                for tensor in model.state_dict().values():
+                    dist.broadcast(tensor, src=0, group=self.group)
+        before = {id(p) for p in model.parameters()}
+        pp_mesh = self.mesh["pipeline"]
+        gather = self.mesh["pipeline", "replicate", "shard"]._flatten("pipeline_data")
+        self.pipeline = Pipeline(
+            engine,
+            self._split,
+            self.config.pipelining,
+            group=pp_mesh.get_group(),
+            gather_group=gather.get_group(),
+            device=self.device,
+        )
+        kept = {id(p) for p in model.parameters()}
+        for optimizer in engine.optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in kept or id(p) not in before]
+            for p in list(optimizer.state):
+                if id(p) not in kept and id(p) in before:
+                    del optimizer.state[p]
+
     def teardown(self) -> None:
+        # The model outlives the backend, and its FSDP2 state and DeviceMesh hold the
+        # process groups: a gloo group whose last reference goes at interpreter exit
+        # can abort the process there ("terminate called without an active
+        # exception", 1-2 runs in 10 under torchrun). Destroy the groups, then let go
+        # of those references while the interpreter is fully alive.
+        # A group the user created stays theirs, and so does what uses it.
+        holders = [module for module, _ in self._fsdp_modules]
+        mesh, destroyed = self.mesh, self.created_group
+        self.pipeline = None
         self._root, self._fsdp_modules, self.mesh, self.data_group = None, [], None, None
         self.context_mesh, self.expert_mesh, self._expert_params = None, None, []
         super().teardown()
+        if destroyed:
+            _release_groups(holders, mesh)
 
     # -- the step ---------------------------------------------------------
 
@@ -295,6 +379,9 @@ class MeshBackend(DDPBackend):
         self._sync = None
         if not self.sharded:  # tensor-only mesh: gradients are complete after backward
             plan = attrs.evolve(plan, gradient_sync=None)
+        if self.pipeline is not None:  # the schedule runs the micro-batches (and syncs gradients itself)
+            refuse_short_steps(engine, engine.config.grad_accum)
+            plan = attrs.evolve(plan, schedule=self.pipeline.forward_backward, gradient_sync=None)
         return self._context_expert_plan(plan)
 
     def _context_expert_plan(self, plan: StepPlan) -> StepPlan:
@@ -319,6 +406,10 @@ class MeshBackend(DDPBackend):
             plan = attrs.evolve(plan, schedule=context.ContextSchedule(self.context_mesh, kernel, plan))
         return plan
 
+    def eval_forward(self, engine: Engine) -> Callable[[Any], tuple[Any, torch.Tensor | None]] | None:
+        """With a pipeline axis: each evaluation/prediction batch runs forward stage after stage (see `Pipeline.eval_forward`)."""
+        return self.pipeline.eval_forward if self.pipeline is not None else None
+
     def set_gradient_sync(self, enabled: bool) -> None:
         # FSDP2 walks every FSDPModule on each call: only when the value changes.
         if enabled is not self._sync:
@@ -335,6 +426,9 @@ class MeshBackend(DDPBackend):
         from torch.nn.utils import get_total_norm
 
         grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
+        if not grads and self.pipeline is not None:  # this rank still takes part in the pipeline's sum
+            total = self.pipeline.combine_norm(torch.zeros((), device=self.device), norm_type)
+            return total
         if not grads:
             return torch.zeros((), device=self.device)
         groups: dict[Any, list[torch.Tensor]] = {}
@@ -345,6 +439,8 @@ class MeshBackend(DDPBackend):
             norm = get_total_norm(group, norm_type, foreach=True)
             norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         total = norms[0] if len(norms) == 1 else get_total_norm(norms, norm_type)
+        if self.pipeline is not None:  # sum of p-th powers over the stages
+            total = self.pipeline.combine_norm(total, norm_type)
         # As torch.nn.utils.clip_grads_with_norm_, on the local parts (no branch on the host).
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
@@ -419,7 +515,14 @@ class MeshBackend(DDPBackend):
         return result
 
     def all_gather(self, tensor: torch.Tensor, domain: Domain = "data") -> torch.Tensor:
-        """Stack `tensor` from every rank of `domain` along a new first dimension (one collective)."""
+        """Stack `tensor` from every rank of `domain` along a new first dimension (one collective).
+
+        With a pipeline axis, `"data"` gathers the last stage's data ranks on
+        every stage: metrics (the loss lives on the last stage) reduce to the
+        same values everywhere.
+        """
+        if self.pipeline is not None and domain == "data":
+            return self.pipeline.gather_last_stage(tensor, self.data_size)
         group, size = self._group(domain)
         tensor = tensor.detach().contiguous()
         if size == 1:
@@ -458,6 +561,9 @@ class MeshBackend(DDPBackend):
     def load_model_state_dict(self, engine: Engine, state: dict[str, Any], strict: bool = True) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        if self.pipeline is not None:  # a whole model's state: this rank's stages take their own keys
+            state = self.pipeline.own_keys(state)
+
         return set_model_state_dict(engine.model, state, options=StateDictOptions(strict=strict))
 
     def optimizer_state_dicts(self, engine: Engine) -> list[dict[str, Any]]:
@@ -476,15 +582,56 @@ class MeshBackend(DDPBackend):
             set_optimizer_state_dict(engine.model, optimizer, state)
 
     def checkpoint_store(self, engine: Engine) -> Any:
-        """The DCP store (`cadence.checkpoint.dcp_store.DCPStore.for_engine`): every rank writes its shards."""
+        """The DCP store (`cadence.checkpoint.dcp_store.DCPStore`): every rank writes its shards.
+
+        Built for `engine` (`DCPStore.for_engine`): it loads into the live
+        (sharded) model, optimizers and callback states.
+        """
         from cadence.checkpoint.dcp_store import DCPStore
 
-        return DCPStore.for_engine(engine)  # loads into the live (DTensor) model, optimizers and callback states
+        return DCPStore.for_engine(engine)
 
     def describe(self) -> str:
         axes = " x ".join(f"{n}={s}" for n, s in self.sizes.items() if s > 1) or "one process"
         pg = dist.get_backend(self.group) if self.group is not None and dist.is_initialized() else "uninitialized"
         return f"mesh(rank={self.rank}/{self.world_size}, {axes}, {pg}, device={self.device})"
+
+
+def _release_groups(modules: Sequence[Any], mesh: Any) -> None:
+    """Drop the process groups FSDP2 states and device meshes keep (after they were destroyed).
+
+    Private torch fields, each looked up defensively: on another torch version
+    this releases less, never fails.
+    """
+    seen: set[int] = set()
+
+    def clear_mesh(value: Any) -> None:
+        root = getattr(value, "_root_mesh", None) or value
+        registry = getattr(root, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+
+    def clear_info(info: Any) -> None:
+        if info is None or id(info) in seen:
+            return
+        seen.add(id(info))
+        for name in ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group"):
+            if isinstance(getattr(info, name, None), dist.ProcessGroup):
+                with contextlib.suppress(Exception):
+                    setattr(info, name, None)
+        clear_mesh(getattr(info, "mesh", None))
+
+    if mesh is not None:
+        clear_mesh(mesh)
+    for module in modules:
+        with contextlib.suppress(Exception):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                continue
+            for owner in (group, *group.fsdp_params):
+                clear_info(getattr(owner, "mesh_info", None))
+                clear_info(getattr(owner, "post_forward_mesh_info", None))
+                clear_mesh(getattr(owner, "_spmd_mesh", None))
 
 
 def _has_accelerator() -> bool:

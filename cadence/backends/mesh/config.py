@@ -7,12 +7,13 @@ from typing import Any, Literal
 
 import attrs
 
+from cadence.backends.mesh.pipeline import PipelineConfig
 from cadence.backends.transforms import ActivationCheckpointConfig, CompileConfig
 
 #: Mesh axes, in the order their sizes multiply into the world size.
 AXES: tuple[str, ...] = ("replicate", "shard", "context", "pipeline", "tensor", "expert", "expert_tensor")
 #: Axes this version builds; the others are refused when > 1 (see `MeshConfig`).
-SUPPORTED_AXES: tuple[str, ...] = ("replicate", "shard", "tensor", "context", "expert")
+SUPPORTED_AXES: tuple[str, ...] = ("replicate", "shard", "pipeline", "tensor", "context", "expert")
 #: Axes carved out of the data x context ranks rather than multiplied into the world size.
 BORROWED_AXES: tuple[str, ...] = ("expert", "expert_tensor")
 
@@ -41,6 +42,9 @@ class MeshConfig:
     - `tensor`: tensor parallel, laid out by `model.parallelize(mesh)` or the
       backend's `parallelize` function. Every tensor rank of a data group reads
       the same batches.
+    - `pipeline`: pipeline parallel (`torch.distributed.pipelining`), split and
+      scheduled as `pipelining` says; every stage of a data group reads the
+      same batches (see `cadence.backends.mesh.pipeline`).
     - `context`: context parallel (cadence/backends/mesh/context.py): the
       ranks of a context group read the same batches and each runs forward
       and backward on its slice of the sequence; parameters are sharded over
@@ -50,8 +54,8 @@ class MeshConfig:
       ranks (it must divide shard x context), each holding its share of every
       mixture-of-experts layer's experts. Needs modules with `num_experts`
       and `shard_experts(mesh)`.
-    - `pipeline`, `expert_tensor`: not built yet; a size > 1 is an error
-      (never silently ignored).
+    - `expert_tensor`: not built yet; a size > 1 is an error (never silently
+      ignored).
 
     Attributes:
         precision: "fp32", or "bf16": FSDP2's `MixedPrecisionPolicy` with
@@ -76,6 +80,7 @@ class MeshConfig:
             (MATH on CPU, torch's choice on CUDA), "math", "flash",
             "efficient" or "cudnn". On CPU only "math" with a non-causal mask
             works; anything else is refused at setup.
+        pipelining: the pipeline axis's split and schedule (`PipelineConfig`).
     """
 
     replicate: int = attrs.field(default=1, validator=_axis)
@@ -97,6 +102,7 @@ class MeshConfig:
     timeout: float = attrs.field(default=300.0, validator=_timeout)
     checkpoint: Literal["dcp"] = "dcp"
     context_attention: Literal["auto", "math", "flash", "efficient", "cudnn"] = "auto"
+    pipelining: PipelineConfig = attrs.field(factory=PipelineConfig)
 
     def __attrs_post_init__(self) -> None:
         rest = [name for name in AXES if getattr(self, name) == -1]
