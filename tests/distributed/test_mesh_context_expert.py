@@ -351,6 +351,8 @@ def test_context_axis_needs_sequence_buffers_and_a_mask(monkeypatch):
     plain = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8))
     message = _setup_error(monkeypatch, 2, model=plain, shard=1, context=2)
     assert "context=2 needs `model.context_parallel_buffers(batch)`" in message and "Sequential" in message
+    message = _setup_error(monkeypatch, 4, shard=1, context=2, pipeline=2)
+    assert "context=2 with pipeline=2 is not supported yet" in message
 
 
 def test_expert_axis_errors_name_the_experts(monkeypatch):
