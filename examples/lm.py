@@ -5,15 +5,20 @@
     python examples/lm.py nproc=2                             # two processes (cadence.launch): DDP
     python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2
     python examples/lm.py nproc=4 engine.backend=mesh mesh.shard=2 mesh.tensor=2
+    python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=1 mesh.context=2 model.causal=false
+    python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2 mesh.expert=2 model.n_experts=4
     torchrun --nproc_per_node 2 examples/lm.py                # or under torchrun
 
 The corpus is the `.py` files at the top of the running interpreter's standard
 library (a sorted, fixed list: every machine has it offline), read as bytes;
 files go to validation by a stable hash of their name, so the split is by file.
 The model is a decoder with RMSNorm, rotary position embeddings, grouped-query
-attention and SwiGLU feed-forward blocks. It tells the backends how to
-parallelize it (`parallelize(mesh)`: tensor parallel over the mesh's `tensor`
-axis) and which modules are FSDP2 units (`fsdp_units()`), and counts its own
+attention and SwiGLU feed-forward blocks (or, with `model.n_experts`, a
+mixture of SwiGLU experts: `MoE`). It tells the backends how to parallelize it
+(`parallelize(mesh)`: tensor parallel over the mesh's `tensor` axis;
+`context_parallel_buffers(batch)` and `causal`: context parallel, which on CPU
+needs `model.causal=false`, fine for a test model; `MoE.shard_experts`: expert
+parallel) and which modules are FSDP2 units (`fsdp_units()`), and counts its own
 training FLOPs per token, from which TrainMetrics logs TFLOP/s and MFU (give
 `peak_flops`, e.g. 989e12 for an H100 in bf16).
 
@@ -59,8 +64,16 @@ class ModelConfig:
         seq_len: tokens per training sequence.
         rope_theta: base of the rotary embedding's frequencies.
         causal: causal attention (False gives bidirectional attention, e.g. for
-            context parallel on CPU, where only non-causal attention is supported).
+            context parallel on CPU, where only non-causal attention is supported:
+            a test model, not a language model worth training).
         norm_eps: RMSNorm's epsilon.
+        n_experts: 0: every block has the SwiGLU feed-forward; > 0: a
+            mixture-of-experts layer with that many SwiGLU experts instead
+            (sharded over the mesh's `expert` axis).
+        top_k: experts each token is routed to.
+        balance_coef: weight of the load-balancing loss added to the
+            training loss (sequence-wise: mean over sequences of
+            n_experts x sum_e fraction_e x mean-probability_e).
     """
 
     dim: int = 128
@@ -73,8 +86,13 @@ class ModelConfig:
     rope_theta: float = 10000.0
     causal: bool = True
     norm_eps: float = 1e-5
+    n_experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    top_k: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    balance_coef: float = attrs.field(default=0.01, validator=attrs.validators.ge(0))
 
     def __attrs_post_init__(self) -> None:
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(f"model.top_k={self.top_k} is larger than model.n_experts={self.n_experts}")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -146,13 +164,105 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class MoE(nn.Module):
+    """A mixture of SwiGLU experts: a router picks `top_k` experts per token, their outputs are mixed by its weights.
+
+    Expert weights are stacked (first dimension: the expert). On one process
+    every expert is here; after `shard_experts(mesh)` (the mesh backend's
+    `expert` axis) each rank holds `num_experts / mesh.size()` of them as a
+    DTensor shard, and forward sends each token to its experts' owners and
+    back with two all-to-alls on the expert group (autograd-aware, so the
+    backward brings every rank's contribution to the experts' gradients).
+
+    After each forward, `balance_loss` (sequence-wise load-balancing loss) and
+    `tokens_per_expert` (this rank's routed tokens per expert, detached) hold
+    that batch's values.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = config.n_experts, config.top_k
+        experts, dim, hidden = config.n_experts, config.dim, config.ffn_hidden
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.group: Any = None  # the expert group, after shard_experts
+        self.balance_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def shard_experts(self, mesh: Any) -> None:
+        """Keep this rank's share of the experts (DTensors sharded on the expert dimension over `mesh`)."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for name in ("w1", "w3", "w2"):
+            full = getattr(self, name).detach()
+            setattr(self, name, nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+        self.group = mesh.get_group()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        probs = F.softmax(self.router(tokens).float(), dim=-1)  # (tokens, experts)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
+        experts = self.num_experts
+        per_sequence = F.one_hot(chosen.view(batch, -1), experts).sum(1).float() / (seq * self.top_k)
+        self.balance_loss = experts * (per_sequence * probs.view(batch, seq, experts).mean(1)).sum(-1).mean()
+        flat = chosen.reshape(-1)
+        counts = torch.bincount(flat, minlength=experts)
+        self.tokens_per_expert = counts.detach()
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        token_index = order // self.top_k
+        routed = tokens[token_index]
+        if self.group is None:
+            out = self._experts(routed, counts.tolist(), self.w1, self.w3, self.w2)
+        else:
+            out = self._dispatch(routed, counts)
+        mixed = out * weights.reshape(-1)[order, None]
+        return torch.zeros_like(tokens).index_add_(0, token_index, mixed).view(batch, seq, dim)
+
+    @staticmethod
+    def _experts(
+        x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        outs = []
+        for e, part in enumerate(x.split(counts)):
+            outs.append((F.silu(part @ w1[e].T) * (part @ w3[e].T)) @ w2[e].T)
+        return torch.cat(outs)
+
+    def _dispatch(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Send each assignment to its expert's owner, run the local experts, send the results back."""
+        import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        group = self.group
+        ranks = dist.get_world_size(group)
+        local = self.num_experts // ranks
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, local expert]
+        received_counts = received_counts.view(ranks, local)
+        send = counts.view(ranks, local).sum(1).tolist()
+        receive = received_counts.sum(1).tolist()
+        received = all_to_all_single_autograd(routed, receive, send, group)
+        # Rows arrive by (source rank, local expert): regroup them by local expert.
+        expert_of_row = (
+            torch.arange(local, device=routed.device).repeat(ranks).repeat_interleave(received_counts.reshape(-1))
+        )
+        regroup = expert_of_row.argsort(stable=True)
+        w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))
+        out = self._experts(received[regroup], received_counts.sum(0).tolist(), w1, w3, w2)
+        back = torch.empty_like(out).index_copy(0, regroup, out)  # rows in arrival order again
+        return all_to_all_single_autograd(back, send, receive, group)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward: nn.Module = MoE(config) if config.n_experts else FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -177,7 +287,10 @@ class Transformer(nn.Module):
 
     def reset_parameters(self) -> None:
         for name, p in self.named_parameters():
-            if p.ndim == 2:
+            if p.ndim == 3:  # stacked expert weights
+                residual = name.endswith("w2")
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layers) if residual else 0.02)
+            elif p.ndim == 2:
                 # Scaled init of the residual projections, as in GPT-2 and Llama reference code.
                 residual = name.endswith(("wo.weight", "w2.weight"))
                 std = 0.02 / math.sqrt(2 * self.config.n_layers) if residual else 0.02
@@ -193,6 +306,26 @@ class Transformer(nn.Module):
         return self.output(x) if self.output is not None else x
 
     # -- what the backends ask of a model ----------------------------------------------
+
+    @property
+    def causal(self) -> bool:
+        """Whether attention is causal (context parallel picks its attention path by it)."""
+        return self.config.causal
+
+    def context_parallel_buffers(self, batch: Any) -> list[tuple[torch.Tensor, int]]:
+        """What context parallel splits along the sequence: tokens and targets (dim 1), the rotary tables (dim 0)."""
+        inputs, targets = batch
+        if inputs.shape[1] != self.rope_cos.shape[0]:
+            raise ValueError(
+                f"context parallel needs sequences of model.seq_len={self.rope_cos.shape[0]} tokens "
+                f"(the rotary tables are split with them), got {inputs.shape[1]}"
+            )
+        return [(inputs, 1), (targets, 1), (self.rope_cos, 0), (self.rope_sin, 0)]
+
+    def balance_loss(self) -> torch.Tensor:
+        """The mixture-of-experts layers' load-balancing losses of the last forward, summed (0 without experts)."""
+        losses = [m.balance_loss for m in self.modules() if isinstance(m, MoE) and m.balance_loss is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
 
     def pipeline_split(self, parts: int) -> list[list[str]]:
         """Module FQNs of each pipeline stage: the embeddings first, the blocks evenly, the norm and output last."""
@@ -388,6 +521,30 @@ def make_backend(cfg: LMConfig) -> Any:
     return mesh_backend(**cfg.mesh) if cfg.mesh else mesh_backend.from_engine_config(cfg.engine)
 
 
+def training_loss(model: Transformer) -> Any:
+    """The next-byte loss, plus the weighted load-balancing loss while training a mixture-of-experts model."""
+    coef = model.config.balance_coef if model.config.n_experts else 0.0
+    if not coef:
+        return next_byte_loss
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        value = next_byte_loss(logits, targets)
+        return value + coef * model.balance_loss() if model.training else value
+
+    return loss
+
+
+def log_experts(engine: cadence.Engine) -> None:
+    """Each forward's load-balancing loss (`moe.balance_loss`) and tokens routed per expert (`moe.tokens.<i>`, summed)."""
+    layers = [m for m in engine.model.modules() if isinstance(m, MoE) and m.tokens_per_expert is not None]
+    if not layers:
+        return
+    engine.log("moe.balance_loss", engine.model.balance_loss().detach())
+    counts = torch.stack([m.tokens_per_expert for m in layers]).sum(0)
+    for i, count in enumerate(counts.unbind()):
+        engine.log(f"moe.tokens.{i}", count, reduce="sum")
+
+
 def build_engine(cfg: LMConfig, callbacks: list[Any] | None = None) -> cadence.Engine:
     torch.manual_seed(cfg.engine.seed or 0)
     model = Transformer(cfg.model)
@@ -402,7 +559,7 @@ def build_engine(cfg: LMConfig, callbacks: list[Any] | None = None) -> cadence.E
         model,
         optimizer,
         train,
-        loss_fn=next_byte_loss,
+        loss_fn=training_loss(model),
         eval_data=ByteSequences(val_bytes, cfg.model.seq_len),
         scheduler=cosine_schedule(optimizer, cfg.optim, cfg.engine.steps or 1000),
         callbacks=[metrics, *(callbacks or [])],
@@ -411,6 +568,8 @@ def build_engine(cfg: LMConfig, callbacks: list[Any] | None = None) -> cadence.E
         run_config=cfg,
     )
     seq_len = cfg.model.seq_len
+    if cfg.model.n_experts:
+        engine.on(cadence.Event.ON_FORWARD)(log_experts)
 
     # Every sample is seq_len tokens: TrainMetrics reports tokens/s and MFU from this count.
     @engine.on(cadence.Event.ON_STEP_END)

@@ -80,3 +80,49 @@ def test_model_parts_the_backends_use():
     assert "rope_cos" not in model.state_dict()  # derived buffers stay out of checkpoints
     with pytest.raises(ValueError, match="n_kv_heads"):
         lm.ModelConfig(n_heads=4, n_kv_heads=3)
+
+
+def test_mixture_of_experts_and_context_parallel_parts():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import lm
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    import torch
+
+    base = dict(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab=64, seq_len=16)
+    # One expert, top-1: the mixture is that expert's SwiGLU block.
+    torch.manual_seed(0)
+    moe = lm.MoE(lm.ModelConfig(**base, n_experts=1, top_k=1))
+    for w in (moe.w1, moe.w3, moe.w2):
+        torch.nn.init.normal_(w, std=0.1)
+    x = torch.randn(2, 16, 32)
+    dense = torch.nn.functional.silu(x @ moe.w1[0].T) * (x @ moe.w3[0].T) @ moe.w2[0].T
+    torch.testing.assert_close(moe(x), dense, rtol=1e-5, atol=1e-6)
+    assert moe.balance_loss.item() == pytest.approx(1.0) and moe.tokens_per_expert.tolist() == [32]
+    # Four experts, top-2: every token is routed twice; the training loss adds the weighted balance loss.
+    model = lm.Transformer(lm.ModelConfig(**base, n_experts=4, top_k=2, balance_coef=0.5))
+    tokens = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        logits = model(tokens)
+    assert int(model.layers[0].feed_forward.tokens_per_expert.sum()) == 2 * 16 * 2
+    loss = lm.training_loss(model)(logits, tokens)
+    expected = lm.next_byte_loss(logits, tokens) + 0.5 * model.balance_loss()
+    assert float(loss) == pytest.approx(float(expected))
+    model.eval()
+    assert float(lm.training_loss(model)(logits, tokens)) == pytest.approx(float(lm.next_byte_loss(logits, tokens)))
+    with pytest.raises(ValueError, match=r"top_k=5 is larger than model\.n_experts=4"):
+        lm.ModelConfig(**base, n_experts=4, top_k=5)
+    # Context parallel: the buffers split along the sequence and the mask.
+    model = lm.Transformer(lm.ModelConfig(**base, causal=False))
+    targets = torch.randint(0, 64, (2, 16))
+    pairs = model.context_parallel_buffers((tokens, targets))
+    assert [(t is ref, dim) for (t, dim), ref in zip(pairs, (tokens, targets, model.rope_cos, model.rope_sin))] == [
+        (True, 1),
+        (True, 1),
+        (True, 0),
+        (True, 0),
+    ]
+    assert model.causal is False
+    with pytest.raises(ValueError, match=r"sequences of model\.seq_len=16 tokens"):
+        model.context_parallel_buffers((tokens[:, :8], targets[:, :8]))

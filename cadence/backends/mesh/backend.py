@@ -3,7 +3,9 @@
 Setup, in this order (see docs/backends.md, "Mesh backend"):
 
 1. Validate, before any process group exists: the axes' product against the
-   world size, axes this version cannot build (context, expert), a
+   world size, axes this version cannot build (expert_tensor), the context
+   axis's kernel and mask (`context.validate`), the expert axis against the
+   model's experts (`experts.validate`), a
    tensor axis without `model.parallelize(mesh)` or a `parallelize` function,
    a pipeline axis without a valid split (`cadence.backends.mesh.pipeline`),
    `CPUOffloadPolicy` on a machine without an accelerator.
@@ -125,6 +127,10 @@ class MeshBackend(DDPBackend):
         self._fsdp_modules: list[tuple[Any, bool]] = []  # (FSDPModule, its reshard_after_forward)
         self._root: Any = None
         self._sync: bool | None = None
+        # Context and expert parallel (cadence/backends/mesh/context.py, experts.py), set in setup.
+        self.context_mesh: Any = None
+        self.expert_mesh: Any = None
+        self._expert_params: list[torch.Tensor] = []
         # -- pipeline axis (cadence.backends.mesh.pipeline) --
         self.pipeline_split_fn = pipeline_split
         self._split: list[list[str]] | None = None
@@ -196,11 +202,31 @@ class MeshBackend(DDPBackend):
         units = find_units(model, config.units, self.units_fn)
         if config.activation_checkpointing.mode != "none" and not units:
             apply_activation_checkpointing(units, config.activation_checkpointing)  # raises, naming the fix
+        if sizes["context"] > 1:
+            from cadence.backends.mesh import context
+
+            if sizes["pipeline"] > 1:
+                raise NotImplementedError(
+                    f"mesh: context={sizes['context']} with pipeline={sizes['pipeline']} is not supported yet "
+                    "(each runs the step's micro-batches its own way); set one of them to 1"
+                )
+            context.validate(model, sizes["context"], config.context_attention, self._expected_device_type())
+        from cadence.backends.mesh import experts
+
+        experts.validate(model, sizes)
         if config.cpu_offload and not _has_accelerator():
             raise ValueError(
                 "mesh: cpu_offload=True (FSDP2's CPUOffloadPolicy) needs an accelerator (CUDA, ...) to offload from, "
                 "and this machine has none; set cpu_offload=False"
             )
+
+    def _expected_device_type(self) -> str:
+        """The device type setup will choose, known before any process group (for validation)."""
+        if self.requested_device:
+            return torch.device(self.requested_device).type
+        if self.process_group_backend == "gloo" or not torch.cuda.is_available():
+            return "cpu"
+        return "cuda"
 
     def _init_group(self) -> None:
         if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
@@ -226,11 +252,13 @@ class MeshBackend(DDPBackend):
 
         sizes = self.sizes
         names = (["pipeline"] if sizes["pipeline"] > 1 else []) + ["replicate", "shard"]
-        names += ["tensor"] if sizes["tensor"] > 1 else []
+        names += [n for n in ("context", "tensor") if sizes[n] > 1]
         self.mesh = init_device_mesh(self.device.type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
         data = self.mesh["replicate", "shard"]._flatten("data")
         self.data_group = data.get_group()
         self.data_rank, self.data_size = data.get_local_rank(), data.size()
+        if sizes["context"] > 1:
+            self.context_mesh = self.mesh["context"]
         tensor_only = self.data_size == 1 and sizes["tensor"] > 1
         # bf16 is FSDP2's MixedPrecisionPolicy when parameters are sharded; autocast otherwise.
         self.set_precision(self.config.precision if tensor_only else "fp32", self.device)
@@ -245,7 +273,13 @@ class MeshBackend(DDPBackend):
         units = find_units(model, config.units, self.units_fn)
         apply_activation_checkpointing(units, config.activation_checkpointing)
         apply_compile(model, units, config.compile)
-        self.sharded = self.data_size > 1
+        if self.sizes["expert"] > 1:
+            from cadence.backends.mesh import experts
+
+            self.expert_mesh, self._expert_params = experts.build(
+                model, self.device.type, self.world_size, self.sizes["expert"]
+            )
+        self.sharded = self.data_size * self.sizes["context"] > 1
         if self.sharded:
             self._shard(model, units)
 
@@ -253,11 +287,18 @@ class MeshBackend(DDPBackend):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         config = self.config
-        mesh = self.mesh["replicate", "shard"] if self.sizes["replicate"] > 1 else self.mesh["shard"]
+        if self.sizes["context"] > 1:  # parameters sharded over shard x context: gradients averaged over both
+            flat = self.mesh["shard", "context"]._flatten("shard_context")
+            # Slicing a flattened dim from the root warns (deprecated); the 1-D case keeps the flattened mesh.
+            mesh = self.mesh["replicate", "shard_context"] if self.sizes["replicate"] > 1 else flat
+        else:
+            mesh = self.mesh["replicate", "shard"] if self.sizes["replicate"] > 1 else self.mesh["shard"]
         options: dict[str, Any] = {
             "mesh": mesh,
             "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
         }
+        if self._expert_params:  # expert gradients are finished by experts.ExpertGradients, not FSDP2
+            options["ignored_params"] = set(self._expert_params)
         if config.precision == "bf16":
             reduce = torch.float32 if config.reduce_dtype == "fp32" else torch.bfloat16
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
@@ -331,6 +372,7 @@ class MeshBackend(DDPBackend):
         mesh, destroyed = self.mesh, self.created_group
         self.pipeline = None
         self._root, self._fsdp_modules, self.mesh, self.data_group = None, [], None, None
+        self.context_mesh, self.expert_mesh, self._expert_params = None, None, []
         super().teardown()
         if destroyed:
             _release_groups(holders, mesh)
@@ -345,6 +387,28 @@ class MeshBackend(DDPBackend):
         if self.pipeline is not None:  # the schedule runs the micro-batches (and syncs gradients itself)
             refuse_short_steps(engine, engine.config.grad_accum)
             plan = attrs.evolve(plan, schedule=self.pipeline.forward_backward, gradient_sync=None)
+        return self._context_expert_plan(plan)
+
+    def _context_expert_plan(self, plan: StepPlan) -> StepPlan:
+        """Context parallel runs the micro-batches (`context.ContextSchedule`); expert gradients get finished."""
+        if self._expert_params:
+            from cadence.backends.mesh import experts
+
+            finish_experts = experts.ExpertGradients(
+                self._expert_params, self.expert_mesh, self.data_size * self.sizes["context"]
+            )
+            previous = plan.finish_gradients
+
+            def finish(engine: Engine) -> None:
+                previous is None or previous(engine)
+                finish_experts()
+
+            plan = attrs.evolve(plan, finish_gradients=finish)
+        if self.context_mesh is not None:
+            from cadence.backends.mesh import context
+
+            kernel = context.resolve_kernel(self.config.context_attention, self.device.type)
+            plan = attrs.evolve(plan, schedule=context.ContextSchedule(self.context_mesh, kernel, plan))
         return plan
 
     def eval_forward(self, engine: Engine) -> Callable[[Any], tuple[Any, torch.Tensor | None]] | None:

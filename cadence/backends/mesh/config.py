@@ -13,7 +13,9 @@ from cadence.backends.transforms import ActivationCheckpointConfig, CompileConfi
 #: Mesh axes, in the order their sizes multiply into the world size.
 AXES: tuple[str, ...] = ("replicate", "shard", "context", "pipeline", "tensor", "expert", "expert_tensor")
 #: Axes this version builds; the others are refused when > 1 (see `MeshConfig`).
-SUPPORTED_AXES: tuple[str, ...] = ("replicate", "shard", "pipeline", "tensor")
+SUPPORTED_AXES: tuple[str, ...] = ("replicate", "shard", "pipeline", "tensor", "context", "expert")
+#: Axes carved out of the data x context ranks rather than multiplied into the world size.
+BORROWED_AXES: tuple[str, ...] = ("expert", "expert_tensor")
 
 
 def _axis(instance: Any, attribute: Any, value: int) -> None:
@@ -43,8 +45,17 @@ class MeshConfig:
     - `pipeline`: pipeline parallel (`torch.distributed.pipelining`), split and
       scheduled as `pipelining` says; every stage of a data group reads the
       same batches (see `cadence.backends.mesh.pipeline`).
-    - `context`, `expert`, `expert_tensor`: not built yet; a size > 1 is an
-      error (never silently ignored).
+    - `context`: context parallel (cadence/backends/mesh/context.py): the
+      ranks of a context group read the same batches and each runs forward
+      and backward on its slice of the sequence; parameters are sharded over
+      shard x context. Needs `model.context_parallel_buffers(batch)`.
+    - `expert`: expert parallel (cadence/backends/mesh/experts.py). Not a
+      factor of the world size: it groups `expert` consecutive data x context
+      ranks (it must divide shard x context), each holding its share of every
+      mixture-of-experts layer's experts. Needs modules with `num_experts`
+      and `shard_experts(mesh)`.
+    - `expert_tensor`: not built yet; a size > 1 is an error (never silently
+      ignored).
 
     Attributes:
         precision: "fp32", or "bf16": FSDP2's `MixedPrecisionPolicy` with
@@ -65,6 +76,10 @@ class MeshConfig:
         process_group_backend: None: "nccl" with CUDA, else "gloo".
         timeout: collective timeout in seconds.
         checkpoint: "dcp": `torch.distributed.checkpoint`, every rank writes its shards.
+        context_attention: the SDPA kernel under context parallel: "auto"
+            (MATH on CPU, torch's choice on CUDA), "math", "flash",
+            "efficient" or "cudnn". On CPU only "math" with a non-causal mask
+            works; anything else is refused at setup.
         pipelining: the pipeline axis's split and schedule (`PipelineConfig`).
     """
 
@@ -86,10 +101,14 @@ class MeshConfig:
     process_group_backend: str | None = None
     timeout: float = attrs.field(default=300.0, validator=_timeout)
     checkpoint: Literal["dcp"] = "dcp"
+    context_attention: Literal["auto", "math", "flash", "efficient", "cudnn"] = "auto"
     pipelining: PipelineConfig = attrs.field(factory=PipelineConfig)
 
     def __attrs_post_init__(self) -> None:
         rest = [name for name in AXES if getattr(self, name) == -1]
+        borrowed = [name for name in rest if name in BORROWED_AXES]
+        if borrowed:
+            raise ValueError(f"mesh.{borrowed[0]} must be a size >= 1 (it divides the data ranks), got -1")
         if len(rest) > 1:
             raise ValueError(f"mesh: at most one axis may be -1 (the rest of the world), got {rest}")
 
@@ -99,7 +118,7 @@ class MeshConfig:
         Raises ValueError naming the axes, their product and the world size
         when they do not fit.
         """
-        given = {name: getattr(self, name) for name in AXES}
+        given = {name: getattr(self, name) for name in AXES if name not in BORROWED_AXES}
         known = math.prod(v for v in given.values() if v != -1)
         shown = " x ".join(f"{name}={value}" for name, value in given.items() if value != 1)
         rest = [name for name, value in given.items() if value == -1]
@@ -115,4 +134,6 @@ class MeshConfig:
                 f"mesh axes {shown or 'all 1'} multiply to {known}, but the world size is {world_size}; "
                 f"make their product {world_size}, or set one axis to -1 (the rest of the world)"
             )
-        return given
+        for name in BORROWED_AXES:  # carved out of the data x context ranks, see cadence/backends/mesh/experts.py
+            given[name] = getattr(self, name)
+        return {name: given[name] for name in AXES}
