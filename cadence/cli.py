@@ -75,7 +75,7 @@ _OPTIONAL = (
     ("matplotlib", ("matplotlib",), "plot"),
     ("scikit-learn", ("scikit-learn",), "examples"),
 )
-_CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm", "numpy")
+_CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm")
 
 
 def _version(*distributions: str) -> str | None:
@@ -107,7 +107,11 @@ def _info(args: argparse.Namespace) -> int:
         f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
         "",
         "dependencies:",
-        *_table([(name, _version(name) or "MISSING", "") for name in _CORE]),
+        *_table(
+            [(name, _version(name) or "MISSING", "") for name in _CORE]
+            # not a dependency: seeded, and its RNG checkpointed, when the user has it
+            + [("numpy", _version("numpy") or "not installed", "(optional: seeded and checkpointed when installed)")]
+        ),
         "",
         "optional dependencies:",
         *_table(

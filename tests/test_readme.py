@@ -32,6 +32,8 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_command():
     assert "python examples/digits.py" in commands[0]
     test_command = commands[1]
     assert test_command.endswith("OMP_NUM_THREADS=1 python -m pytest")
+    # the example package's tests (tests/testing/test_example_package.py) run under it, not only in CI
+    assert "./examples/cadence-gradstats" in test_command
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in ci_lines, ".ci/run must run the README's test command verbatim"
 

@@ -11,6 +11,7 @@ The data and optimizer domains are both the whole world.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -235,7 +236,7 @@ class DDPBackend(LocalBackend):
             self._agree_device.copy_(self._agree_host, non_blocking=True)  # type: ignore[arg-type]
             dist.all_reduce(self._agree_device, op=dist.ReduceOp.MAX, group=self.group)
             self._agree_host.copy_(self._agree_device)  # type: ignore[union-attr]
-        requests.accept(view.tolist())
+        requests.accept(view[:])
 
     def _allocate_agreement(self, slots: int) -> None:
         # Grows when a callback registers a request kind; every rank registers
@@ -244,8 +245,9 @@ class DDPBackend(LocalBackend):
         pin = not on_host and self.device.type == "cuda"
         self._agree_host = torch.zeros(slots, dtype=torch.int64, pin_memory=pin)
         self._agree_device = None if on_host else torch.zeros(slots, dtype=torch.int64, device=self.device)
-        # A numpy view writes the pending list into the tensor without a new allocation.
-        self._agree_view = self._agree_host.numpy()
+        # A ctypes array over the tensor's memory: the pending list is written
+        # into it, and read back from it, without a new tensor (and without numpy).
+        self._agree_view = (ctypes.c_int64 * slots).from_address(self._agree_host.data_ptr())
 
     # -- state ------------------------------------------------------------
     # Model and optimizer state come from the unwrapped `engine.model`

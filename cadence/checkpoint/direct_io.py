@@ -3,7 +3,8 @@
 `aligned_empty` gives tensors' memory that direct I/O can fill, in transparent huge pages
 where the kernel offers them; `Prefault` faults such memory in from other threads ahead of
 its use (`MADV_POPULATE_WRITE`: one call per piece instead of one page fault per page);
-`cached_fraction` says how much of a file is in the page cache (`mincore`).
+`cached_fraction` says how much of a file is in the page cache (`mincore`); `host_bytes`
+is a CPU tensor's memory as a buffer that file and checksum calls take.
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ LINUX = sys.platform.startswith("linux")
 O_DIRECT = getattr(os, "O_DIRECT", 0) if LINUX else 0
 _HUGE = 2 << 20
 _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as a writable memoryview, without a copy.
+
+    What `tensor.numpy()` gave, without needing numpy (not a dependency): the
+    view keeps the tensor alive.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array._tensor = tensor  # type: ignore[attr-defined]  # the memory's owner lives as long as the view
+    return memoryview(array).cast("B")
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:

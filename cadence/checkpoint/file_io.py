@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from cadence.checkpoint.direct_io import host_bytes
 from cadence.checkpoint.store import CheckpointError
 
 logger = logging.getLogger("cadence.checkpoint")
@@ -174,7 +175,7 @@ class TensorChecksum:
         full = chunk.numel() // BLOCK * BLOCK
         if full and chunk.storage_offset() % 8 == 0:
             sums = chunk[:full].view(torch.int64).view(-1, BLOCK // 8).sum(1)
-            self.value = zlib.crc32(sums.numpy(), self.value)  # type: ignore[arg-type]
+            self.value = zlib.crc32(host_bytes(sums), self.value)
         elif full:  # an unaligned view cannot be read as int64: through an aligned buffer (a few tensors of old files)
             if self._bounce is None:
                 self._bounce = torch.empty(_BOUNCE, dtype=torch.uint8)
@@ -182,9 +183,9 @@ class TensorChecksum:
                 piece = self._bounce[: min(_BOUNCE, full - i)]
                 piece.copy_(chunk[i : i + piece.numel()])
                 sums = piece.view(torch.int64).view(-1, BLOCK // 8).sum(1)
-                self.value = zlib.crc32(sums.numpy(), self.value)  # type: ignore[arg-type]
+                self.value = zlib.crc32(host_bytes(sums), self.value)
         if chunk.numel() > full:
-            self.value = zlib.crc32(chunk[full:].numpy(), self.value)  # type: ignore[arg-type]
+            self.value = zlib.crc32(host_bytes(chunk[full:]), self.value)
 
     def update(self, chunk: torch.Tensor) -> None:
         """Add the next piece of a tensor's bytes (a flat uint8 tensor; pieces are multiples of 4 KiB but its last)."""
@@ -214,7 +215,7 @@ def write_tensors(path: Path, tensors: list[torch.Tensor], durable: bool) -> tup
                 flat = _flat_bytes(tensor)
                 for i in range(0, flat.numel(), CHUNK):
                     chunk = flat[i : i + CHUNK]
-                    _write_all(fd, memoryview(chunk.numpy()))  # type: ignore[arg-type]
+                    _write_all(fd, host_bytes(chunk))
                     checksum.update(chunk)
                     written += chunk.numel()
                     if durable and written - started >= _WRITEBACK and FADVISE:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from cadence.checkpoint.direct_io import ALIGN, LINUX, O_DIRECT, Prefault, aligned_empty, cached_fraction
+from cadence.checkpoint.direct_io import ALIGN, LINUX, O_DIRECT, Prefault, aligned_empty, cached_fraction, host_bytes
 from cadence.checkpoint.file_io import CHUNK, TensorChecksum, _flat_bytes
 from cadence.checkpoint.store import CheckpointError
 
@@ -284,7 +284,7 @@ class _Reader:
 
     def read(self, view: torch.Tensor, offset: int, need: int) -> None:
         """Read into `view` (ALIGN-sized, from an aligned `offset`) at least `need` bytes, or raise."""
-        memory = memoryview(view.numpy())  # type: ignore[arg-type]
+        memory = host_bytes(view)
         done = 0
         while done < need:
             direct = self.direct is not None and not self.refused and done % ALIGN == 0  # else a short read left it
