@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from cadence.backends.local import LocalBackend, default_device
+from cadence.backends.local import LocalBackend, Precision, default_device
 from cadence.engine.backend import Domain, ReduceOp
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class DDPBackend(LocalBackend):
         if not dist.is_available():
             raise RuntimeError("DDPBackend: this torch build has no torch.distributed support")
         if not dist.is_initialized():
+            self._check_before_group()
             self._init_process_group()
         self.group = dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -138,6 +139,13 @@ class DDPBackend(LocalBackend):
             engine.model, device_ids=[self.device] if self.device.type == "cuda" else None, **self.ddp_options
         )
         engine.wrapped_model = self._wrapped
+
+    def _check_before_group(self) -> None:
+        # What setup would refuse after joining the group (a device not here,
+        # fp16 without CUDA) is refused before: a failed Engine() leaves no group.
+        cuda = torch.cuda.is_available() and self.process_group_backend != "gloo"
+        device = default_device(self.requested_device) if self.requested_device else None
+        Precision.create(self.precision_name, device or torch.device("cuda" if cuda else "cpu"))
 
     def _init_process_group(self) -> None:
         missing = [name for name in _REQUIRED_ENV if name not in os.environ]
