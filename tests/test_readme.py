@@ -69,8 +69,16 @@ def test_main_job_leaves_a_run_and_resumes_after_an_interruption(tmp_path):
     (tmp_path / "twice").mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, str(ROOT / "examples" / "digits.py")]
+    # SIGINT back to its default in the child: a pytest started in the background ignores it, and so
+    # would the child, which then never sees the Ctrl-C.
     first = subprocess.Popen(
-        command, cwd=tmp_path / "twice", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        cwd=tmp_path / "twice",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     for line in first.stdout:  # Ctrl-C after epoch 5's evaluation
         if line.startswith("epoch   5 "):
