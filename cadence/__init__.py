@@ -59,6 +59,7 @@ __all__ = [
 
 _LAZY = {
     "launch": "cadence.launch", "SlurmConfig": "cadence.launch_slurm", "WorkerError": "cadence.launch",
+    "Preempted": "cadence.launch",
     "plot": "cadence.plot",  # matplotlib loads on first use
 }  # fmt: skip
 

@@ -105,3 +105,16 @@ def test_main_job_leaves_a_run_and_resumes_after_an_interruption(tmp_path):
 def test_compose_example_runs(tmp_path):
     out = run_example("compose.py", tmp_path)
     assert "after 100 steps" in out and "BestAccuracy" in out
+
+
+@pytest.mark.timeout(60)
+def test_ddp_example_help_is_printed_once_without_starting_workers(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ddp_digits.py"), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("usage: examples/ddp_digits.py") == 1 and "Traceback" not in done.stderr
