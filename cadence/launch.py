@@ -207,9 +207,9 @@ def _run_worker(
 
 
 def _write_error(workdir: Path, rank: int, exc: BaseException) -> None:
-    preempted = isinstance(exc, SystemExit) and exc.code == _PREEMPTED_EXIT
+    preempted = exc.code if isinstance(exc, SystemExit) and exc.code == _PREEMPTED_EXIT else None
     report: dict[str, Any] = {
-        "preempted": exc.code if preempted else None,  # type: ignore[union-attr]
+        "preempted": preempted,
         "rank": rank,
         "time": time.time(),
         "traceback": traceback.format_exc(),

@@ -58,7 +58,7 @@ def hook_failure(callback: Any, event: Event, error: Exception, step: int) -> Ex
     if error.hook_event is None:
         error.hook_callback, error.hook_event, error.hook_step = callback_key(callback), event, step
         # What BaseException.add_note (Python 3.11+) does; on 3.10 the note is kept but not printed.
-        error.__notes__ = [
+        error.__notes__ = [  # type: ignore[attr-defined]
             *getattr(error, "__notes__", ()),
             f"raised by callback {callback_key(callback)!r} in {event.value} at step {step}",
         ]

@@ -92,7 +92,7 @@ def check_data(split: str, data: Any, config: DataConfig) -> None:
             f"ignores it: pass the Dataset itself so the engine builds the loader, or set these on your loader"
         )
     try:
-        size = len(data)
+        size = len(data)  # type: ignore[arg-type]
     except TypeError:  # an iterable without a length: found out when iterated
         return
     if size == 0:
