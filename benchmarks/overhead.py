@@ -15,8 +15,10 @@ alternations of the difference to the bare Cadence run), next to its floor: the
 raw loop calling the same hooks of 100 objects itself, from plain loops over
 bound methods at the same seven points of the step; the cost of the
 default sinks (TrainMetrics, progress bar, JSONL, text log; log interval 50),
-once writing to a pipe (the progress bar writes throttled lines, as in CI or a
-log file) and once to a terminal (a pseudo-terminal the parent drains: the
+once writing to a pipe (the progress bar writes throttled lines, as in CI),
+once to a file (stderr redirected to a regular file, as `python train.py 2> log`
+or a batch job's output file: throttled lines, each written through to the
+page cache) and once to a terminal (a pseudo-terminal the parent drains: the
 progress bar is a tqdm bar, as for a person watching);
 the callbacks' cost once more in one process, from interleaved blocks of 100
 steps (see `callback_blocks`: the fresh-process estimate is at the mercy of
@@ -165,7 +167,7 @@ def worker(kind: str, workload: str, callbacks: int) -> dict:
             cb = noop()
             cb.state_key = f"noop{i}"
             cbs.append(cb)
-        if kind in ("sinks", "sinks-tty"):
+        if kind in ("sinks", "sinks-file", "sinks-tty"):
             from cadence.callbacks.metrics import default_callbacks
 
             cbs += default_callbacks()
@@ -256,6 +258,13 @@ def callback_blocks(callbacks: int, rounds: int, block: int = 100) -> dict:
 def run_worker(kind: str, workload: str, callbacks: int = 0) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", **FIXED_MALLOC)
     command = [sys.executable, __file__, "--worker", kind, "--workload", workload, "--callbacks", str(callbacks)]
+    if kind == "sinks-file":
+        # stderr to a regular file, as a shell's `2> log` or a scheduler's output file.
+        with tempfile.TemporaryFile() as log:
+            out = subprocess.run(
+                command, check=True, stdout=subprocess.PIPE, stderr=log, text=True, env=env, timeout=900
+            )
+        return json.loads(out.stdout.strip().splitlines()[-1])
     if kind != "sinks-tty":
         out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=900)
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -331,7 +340,14 @@ def main() -> None:
     for workload in workloads:
         variants = [("cadence", 0)]
         if workload == "W1":
-            variants += [("cadence", 10), ("cadence", 100), ("hand-hooks", 100), ("sinks", 0), ("sinks-tty", 0)]
+            variants += [
+                ("cadence", 10),
+                ("cadence", 100),
+                ("hand-hooks", 100),
+                ("sinks", 0),
+                ("sinks-file", 0),
+                ("sinks-tty", 0),
+            ]
         times: dict[tuple[str, int], list[float]] = {("raw", 0): [], **{v: [] for v in variants}}
         for _ in range(repeats):
             raw = run_worker("raw", workload)
@@ -352,6 +368,7 @@ def main() -> None:
             ratio = statistics.median(ratios)
             label = {
                 "sinks": "cadence, default sinks, pipe",
+                "sinks-file": "cadence, default sinks, file",
                 "sinks-tty": "cadence, default sinks, terminal",
                 "hand-hooks": f"raw loop calling {n} no-op hook sets",
             }.get(kind, f"cadence, {n} no-op callbacks")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cadence.engine.backend import Backend
-    from cadence.engine.bus import Handle, HookError, OrderError
+    from cadence.engine.bus import CadenceError, Handle, HookError, OrderError
     from cadence.engine.callback import Callback
     from cadence.engine.config import ConfigError
     from cadence.engine.control import Requests
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # Imported on first use, so `import cadence.cli` (the `cadence` command) does not import torch.
 _ENGINE = {
-    "Backend": "cadence.engine.backend", "Handle": "cadence.engine.bus", "HookError": "cadence.engine.bus",
+    "Backend": "cadence.engine.backend", "CadenceError": "cadence.engine.bus", "Handle": "cadence.engine.bus", "HookError": "cadence.engine.bus",
     "OrderError": "cadence.engine.bus", "Callback": "cadence.engine.callback", "ConfigError": "cadence.engine.config",
     "Requests": "cadence.engine.control", "DataConfig": "cadence.engine.data", "Engine": "cadence.engine.engine",
     "EngineConfig": "cadence.engine.engine", "Event": "cadence.engine.events", "Order": "cadence.engine.order",
@@ -40,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "CadenceError",
     "Callback",
     "ConfigError",
     "DataConfig",
@@ -58,6 +59,7 @@ __all__ = [
 
 _LAZY = {
     "launch": "cadence.launch", "SlurmConfig": "cadence.launch_slurm", "WorkerError": "cadence.launch",
+    "Preempted": "cadence.launch",
     "plot": "cadence.plot",  # matplotlib loads on first use
 }  # fmt: skip
 

@@ -4,6 +4,7 @@
     cadence runs [WORKSPACE]      one line per run directory (default workspace: ./runs)
     cadence inspect CHECKPOINT    step, epoch, config, tensors, callback keys, manifest check
     cadence plot RUN_DIR          plot a run's metrics (needs the `plot` extra)
+    cadence --version             the installed version
 
 Usage errors and a missing or foreign path print one line on stderr and exit
 with status 2. Nothing imports torch until a subcommand needs it, so
@@ -47,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cadence", description="Cadence: inspect the environment, runs and checkpoints."
     )
+    from cadence import __version__
+
+    parser.add_argument("--version", action="version", version=f"cadence {_version('cadence') or __version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = commands.add_parser("info", help="versions, devices, backends that can run here, callbacks")
     info.set_defaults(run=_info)
@@ -75,7 +79,7 @@ _OPTIONAL = (
     ("matplotlib", ("matplotlib",), "plot"),
     ("scikit-learn", ("scikit-learn",), "examples"),
 )
-_CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm", "numpy")
+_CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm")
 
 
 def _version(*distributions: str) -> str | None:
@@ -107,7 +111,11 @@ def _info(args: argparse.Namespace) -> int:
         f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
         "",
         "dependencies:",
-        *_table([(name, _version(name) or "MISSING", "") for name in _CORE]),
+        *_table(
+            [(name, _version(name) or "MISSING", "") for name in _CORE]
+            # not a dependency: seeded, and its RNG checkpointed, when the user has it
+            + [("numpy", _version("numpy") or "not installed", "(optional: seeded and checkpointed when installed)")]
+        ),
         "",
         "optional dependencies:",
         *_table(
@@ -295,9 +303,15 @@ def _inspect(args: argparse.Namespace) -> int:
         target = target / "checkpoints"
     try:
         store, name = FileStore().locate(target)
+    except CheckpointError as exc:
+        # A folder of checkpoint files without its manifest is a damaged checkpoint (1), not a wrong path (2).
+        if not (target.is_dir() and any(f.name == "payload.pt" or f.suffix == ".bin" for f in target.iterdir())):
+            raise UsageError(" ".join(str(exc).split())) from None
+        return _damaged(target, exc)
+    try:
         manifest = store.manifest(name)
     except CheckpointError as exc:
-        raise UsageError(" ".join(str(exc).split())) from None
+        return _damaged(store.path(name), exc)
     folder = store.path(name)
     files = manifest["files"]
     total = sum(entry["size"] for entry in files.values())
@@ -314,6 +328,12 @@ def _inspect(args: argparse.Namespace) -> int:
     payload = store.read(name)
     print("\n".join(_describe(payload)))
     return 0
+
+
+def _damaged(folder: Path, error: Exception) -> int:
+    print(f"checkpoint  {folder}")
+    print(f"manifest    FAILED: {' '.join(str(error).split())}")
+    return 1
 
 
 def _describe(payload: dict[str, Any]) -> list[str]:

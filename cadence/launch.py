@@ -31,8 +31,10 @@ from typing import Any
 
 from cadence.launch_slurm import SlurmConfig, slurm_requeue, submit_slurm
 
-__all__ = ["SlurmConfig", "WorkerError", "launch", "slurm_requeue"]
+__all__ = ["Preempted", "SlurmConfig", "WorkerError", "launch", "slurm_requeue"]
 
+# The exit code of a clean preemption (Preemption's default: 128 + SIGTERM).
+_PREEMPTED_EXIT = 143
 # After SIGTERM, how long a worker gets to exit before SIGKILL.
 _TERMINATE_GRACE_S = 5.0
 
@@ -74,6 +76,24 @@ def _rebuild_worker_error(message: str, kwargs: dict[str, Any]) -> WorkerError:
     return WorkerError(message, **kwargs)
 
 
+class Preempted(WorkerError):
+    """The workers were preempted and stopped cleanly: `Preemption`'s exit (`SystemExit(143)`).
+
+    Not a crash: the run saved its checkpoint at an agreed step and exited
+    with the code schedulers expect of a terminated job. Start it again to
+    resume (`Checkpoint(auto_resume=True)`). A `WorkerError`, so code that
+    treats every non-result as a failure keeps doing so; catch `Preempted`
+    first to tell the two apart. `exitcode` is the workers' exit code.
+    """
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_preempted, (str(self), {"rank": self.rank, "exitcode": self.exitcode}))
+
+
+def _rebuild_preempted(message: str, kwargs: dict[str, Any]) -> Preempted:
+    return Preempted(message, **kwargs)
+
+
 def launch(
     fn: Callable[..., Any],
     *args: Any,
@@ -106,6 +126,8 @@ def launch(
         What `fn` returned on rank 0 (it must be picklable).
 
     Raises:
+        Preempted: the workers stopped on a preemption (`SystemExit(143)` from
+            the `Preemption` callback, after its checkpoint); a `WorkerError`.
         WorkerError: a worker raised or died; the first rank to fail is named,
             with its traceback. The other workers are killed.
         TimeoutError: `timeout` passed; every worker was killed.
@@ -185,7 +207,9 @@ def _run_worker(
 
 
 def _write_error(workdir: Path, rank: int, exc: BaseException) -> None:
+    preempted = exc.code if isinstance(exc, SystemExit) and exc.code == _PREEMPTED_EXIT else None
     report: dict[str, Any] = {
+        "preempted": preempted,
         "rank": rank,
         "time": time.time(),
         "traceback": traceback.format_exc(),
@@ -265,6 +289,14 @@ def _failure(processes: list[Any], workdir: Path, exited: int) -> WorkerError:
             exitcode=code,
         )
     first = min(reports, key=lambda r: r["time"])
+    if first.get("preempted") is not None:
+        code = first["preempted"]
+        return Preempted(
+            f"preempted: rank {first['rank']} of {nprocs} stopped at an agreed step and exited with {code} "
+            "(SystemExit from the Preemption callback, after its checkpoint); start the run again to resume",
+            rank=first["rank"],
+            exitcode=code,
+        )
     others = sorted(r["rank"] for r in reports if r is not first)
     original = None
     if first["original"] is not None:

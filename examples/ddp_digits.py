@@ -18,12 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import digits
 
+from cadence.engine.config_cli import parse_cli
 from cadence.launch import launch
 
 
 def main(argv: list[str] | None = None, nprocs: int = 2) -> float:
     """Run `digits.main(argv)` on `nprocs` processes; returns rank 0's final accuracy."""
-    return launch(digits.main, argv if argv is not None else sys.argv[1:], nprocs=nprocs, timeout=600)
+    argv = argv if argv is not None else sys.argv[1:]
+    # Parsed here first: --help is printed once, and a bad override is one error, before any worker starts.
+    parse_cli(digits.DigitsConfig, argv, prog="examples/ddp_digits.py")
+    return launch(digits.main, argv, nprocs=nprocs, timeout=600)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,18 @@
     python examples/digits.py                 # 20 epochs, prints the final accuracy
     python examples/digits.py engine.epochs=5 optim.lr=0.01
 
-Evaluates every epoch; the final validation accuracy is >= 0.95 in well under
-a minute on 2 CPU cores.
+Evaluates every epoch; the final validation accuracy is >= 0.95 in seconds on
+2 CPU cores. What it leaves is what every Cadence run leaves: a progress bar
+while it trains, and a run directory (`runs/default-<code>/<run_id>/`) with the
+log, `metrics.jsonl`, the config as it ran (`metadata/`) and a checkpoint
+every epoch. Stop it (Ctrl-C) and start it again: it says which step it
+resumed from and ends with the same accuracy as a run never stopped. A run
+already complete is evaluated again, not retrained.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import attrs
@@ -17,6 +23,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import cadence
+from cadence.callbacks import Checkpoint
+from cadence.callbacks.metrics import default_callbacks
 from cadence.engine.config_cli import parse_cli
 
 
@@ -80,9 +88,18 @@ def main(argv: list[str] | None = None) -> float:
         loss_fn=F.cross_entropy,
         eval_fn=accuracy,
         eval_data=val,
+        # Metrics, a progress bar, metrics.jsonl and the log, and a checkpoint every
+        # epoch from which a second start of the same run (same code and config) resumes.
+        callbacks=[*default_callbacks(), Checkpoint(auto_resume=True)],
         config=cfg.engine,
         run_config=cfg,
     )
+
+    @engine.on(cadence.Event.ON_FIT_START, when=lambda engine: engine.backend.is_main)
+    def announce(engine: cadence.Engine) -> None:
+        if engine.restored_from is not None:
+            print(f"resumed from step {engine.state.step} (epoch {engine.state.epoch}): {engine.restored_from}")
+        print(f"run directory: {engine.run_dir}")
 
     # Evaluation metrics are already reduced across ranks: print them once.
     @engine.on(cadence.Event.ON_EVAL_END, when=lambda engine: engine.backend.is_main)
@@ -94,6 +111,9 @@ def main(argv: list[str] | None = None) -> float:
 
     start = time.perf_counter()
     engine.fit()
+    if "val" not in engine.eval_results:  # resumed at its end: nothing left to train
+        engine.evaluate()
+    engine.close()
     final = engine.eval_results["val"]["val.accuracy"]
     if engine.backend.is_main:
         print(f"final accuracy {final:.4f} after {engine.state.step} steps in {time.perf_counter() - start:.1f} s")
@@ -102,4 +122,8 @@ def main(argv: list[str] | None = None) -> float:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume from the last checkpoint", file=sys.stderr)
+        sys.exit(130)

@@ -54,6 +54,24 @@ def _no_leaked_signal_handlers():
     assert not leaked, f"the test left signal handlers installed for {sorted(leaked)}"
 
 
+def execute_notebook(client) -> None:
+    """`client.execute()` of an nbclient NotebookClient, keeping this process's SIGINT and SIGTERM handlers.
+
+    nbclient installs handlers for the kernel's lifetime through asyncio, which
+    then resets SIGINT to Python's default handler, not to what it was: under a
+    pytest started in the background (`&`, nohup), where SIGINT is ignored, the
+    test would leave a handler behind.
+    """
+    import signal
+
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        client.execute()
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+
+
 @pytest.fixture(autouse=True)
 def _no_lingering_cadence_threads():
     # Later tests fork workers from this process: a thread still running at a

@@ -233,6 +233,11 @@ def test_missing_and_foreign_directories_are_one_line_and_status_2(tmp_path):
     assert cli().returncode == 2  # no subcommand: argparse's usage error
 
 
+def test_version():
+    done = cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"cadence {cadence.__version__}"
+
+
 def test_inspect_shows_step_config_tensors_callbacks_and_a_good_manifest(tmp_path):
     from cadence.callbacks import Checkpoint
 
@@ -277,7 +282,17 @@ def test_inspect_reports_a_damaged_checkpoint_and_refuses_foreign_folders(tmp_pa
     done = cli("inspect", str(folder))
     assert done.returncode == 1
     assert "manifest    FAILED:" in done.stdout and "model.bin: checksum mismatch" in done.stdout
+    # A missing or damaged manifest is a damaged checkpoint too (status 1), not a wrong path (2).
+    (folder / "manifest.json").write_text("{not json")
+    done = cli("inspect", str(folder))
+    assert (
+        done.returncode == 1 and "manifest    FAILED:" in done.stdout and "manifest.json is unreadable" in done.stdout
+    )
     (folder / "manifest.json").unlink()
-    one_error_line(cli("inspect", str(folder)), "cadence inspect:", "manifest.json is missing")
+    for target in (folder, folder.parent):  # the checkpoint, and the folder whose latest it is
+        done = cli("inspect", str(target))
+        assert (
+            done.returncode == 1 and "manifest    FAILED:" in done.stdout and "manifest.json is missing" in done.stdout
+        )
     (tmp_path / "foreign").mkdir()
     one_error_line(cli("inspect", str(tmp_path / "foreign")), "cadence inspect:", "not a checkpoint")

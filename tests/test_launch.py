@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ import torch
 
 import cadence
 from cadence.launch import WorkerError, importable, launch
+from tests.conftest import execute_notebook
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -196,9 +198,16 @@ def test_launch_from_a_real_notebook_cell(tmp_path, monkeypatch):
             nbformat.v4.new_code_cell("print(cadence.launch(train, 3, nprocs=2))"),
         ]
     )
-    nbclient.NotebookClient(
+    client = nbclient.NotebookClient(
         notebook, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
+    )
+    # As when pytest runs in the background (`&`, nohup): SIGINT ignored, and still ignored after.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        execute_notebook(client)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "running a notebook changed SIGINT's handler"
+    finally:
+        signal.signal(signal.SIGINT, previous)
     printed = "".join(output.get("text", "") for output in notebook.cells[1].outputs)
     assert "('ddp(rank=0/2, gloo, device=cpu)', 3)" in printed, notebook.cells[1].outputs
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import execute_notebook
+
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "notebook.ipynb"
 KERNEL = "cadence-test"
 
@@ -48,7 +50,7 @@ def test_the_notebook_runs_top_to_bottom(kernel, tmp_path):
         startup_timeout=120,
         resources={"metadata": {"path": str(workdir)}},
     )
-    client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+    execute_notebook(client)  # raises CellExecutionError, with the cell and traceback, on any error
 
     outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]

@@ -16,6 +16,7 @@ and control requests stay inside the group.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from cadence.backends.local import LocalBackend, default_device
+from cadence.backends.local import LocalBackend, Precision, default_device
 from cadence.backends.transforms import ModelTransforms, UnitsFn
 from cadence.engine.backend import Domain, ReduceOp, StepPlan
 
@@ -154,6 +155,7 @@ class DDPBackend(LocalBackend):
         if not dist.is_available():
             raise RuntimeError("DDPBackend: this torch build has no torch.distributed support")
         if not dist.is_initialized():
+            self._check_before_group()
             self._init_process_group()
         self.group = dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -193,6 +195,13 @@ class DDPBackend(LocalBackend):
             # DDP broadcasts rank 0's parameters and buffers here: every replica starts equal.
             self._wrapped = DistributedDataParallel(forward, device_ids=device_ids, **self.ddp_options)
         engine.wrapped_model = self._wrapped
+
+    def _check_before_group(self) -> None:
+        # What setup would refuse after joining the group (a device not here,
+        # fp16 without CUDA) is refused before: a failed Engine() leaves no group.
+        cuda = torch.cuda.is_available() and self.process_group_backend != "gloo"
+        device = default_device(self.requested_device) if self.requested_device else None
+        Precision.create(self.precision_name, device or torch.device("cuda" if cuda else "cpu"))
 
     def _init_process_group(self) -> None:
         missing = [name for name in _REQUIRED_ENV if name not in os.environ]
@@ -317,7 +326,7 @@ class DDPBackend(LocalBackend):
             self._agree_device.copy_(self._agree_host, non_blocking=True)  # type: ignore[arg-type]
             dist.all_reduce(self._agree_device, op=dist.ReduceOp.MAX, group=self.group)
             self._agree_host.copy_(self._agree_device)  # type: ignore[union-attr]
-        requests.accept(view.tolist())
+        requests.accept(view[:])
 
     def _allocate_agreement(self, slots: int) -> None:
         # Grows when a callback registers a request kind; every rank registers
@@ -326,8 +335,9 @@ class DDPBackend(LocalBackend):
         pin = not on_host and self.device.type == "cuda"
         self._agree_host = torch.zeros(slots, dtype=torch.int64, pin_memory=pin)
         self._agree_device = None if on_host else torch.zeros(slots, dtype=torch.int64, device=self.device)
-        # A numpy view writes the pending list into the tensor without a new allocation.
-        self._agree_view = self._agree_host.numpy()
+        # A ctypes array over the tensor's memory: the pending list is written
+        # into it, and read back from it, without a new tensor (and without numpy).
+        self._agree_view = (ctypes.c_int64 * slots).from_address(self._agree_host.data_ptr())
 
     # -- state ------------------------------------------------------------
     # Model and optimizer state come from the unwrapped `engine.model`

@@ -34,6 +34,12 @@ logger = logging.getLogger("cadence.checkpoint")
 _optional_ge0 = attrs.validators.optional(attrs.validators.ge(0))
 
 
+def _folder(instance: Any, attribute: Any, value: str) -> None:
+    # Found here, not at the first save after a training step.
+    if Path(value).exists() and not Path(value).is_dir():
+        raise ValueError(f"{value!r} is an existing file, not a folder; name a folder (it is created if missing)")
+
+
 @attrs.define(kw_only=True)
 class CheckpointConfig:
     """When and where checkpoints are saved, and how a run starts from one.
@@ -62,7 +68,7 @@ class CheckpointConfig:
         barrier_timeout: seconds the other ranks wait for the main process to write.
     """
 
-    dir: str | None = None
+    dir: str | None = attrs.field(default=None, validator=attrs.validators.optional(_folder))
     interval: int | None = attrs.field(default=None, validator=_optional_ge0)
     unit: Literal["auto", "step", "epoch"] = "auto"
     keep_latest_k: int = attrs.field(default=3, validator=attrs.validators.ge(0))

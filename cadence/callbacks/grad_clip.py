@@ -75,8 +75,18 @@ class GradClip(Callback):
     order = Order.GRAD_CLIP
 
     def __init__(self, config: GradClipConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        if isinstance(kwargs.get("norm_type"), str):
-            kwargs["norm_type"] = float(kwargs["norm_type"])  # "inf"
+        norm_type = kwargs.get("norm_type")
+        if isinstance(norm_type, str):
+            try:
+                kwargs["norm_type"] = float(norm_type)  # "inf"
+            except ValueError:
+                raise config_module.ConfigError(
+                    f"config error at 'grad_clip.norm_type': expected a number > 0 or 'inf' (the p of the total "
+                    f"p-norm over all gradients; 'fro' is 2.0), got {norm_type!r}",
+                    path="grad_clip.norm_type",
+                    expected="float > 0 or 'inf'",
+                    received=norm_type,
+                ) from None
         self.config = config_module.configure(GradClipConfig, config, kwargs, "grad_clip")
         self._norm: torch.Tensor | None = None
         self._collector: Collector | None = None

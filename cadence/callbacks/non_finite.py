@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from cadence.engine import config as config_module
+from cadence.engine.bus import CadenceError
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
 
@@ -21,10 +22,11 @@ logger = logging.getLogger("cadence.non_finite")
 _REQUEST = "non_finite"
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(CadenceError, RuntimeError):
     """Too many consecutive optimizer steps had a non-finite loss or gradient.
 
-    Raised at the same step on every rank. Attributes: `step` (the last
+    Raised at the same step on every rank, as itself (the hook named in a
+    note, see `cadence.CadenceError`). Attributes: `step` (the last
     skipped step, 1-based), `rank` (the rank that saw the non-finite value
     first), `kind` ("loss" or "gradient"), `consecutive`.
     """

@@ -18,15 +18,18 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+from cadence.engine.bus import CadenceError
+
 FORMAT = "cadence-checkpoint"
 VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(CadenceError, RuntimeError):
     """A checkpoint is missing, damaged, or does not fit this run.
 
     The message names the checkpoint (`path`) and its step when known; the
-    engine is left as it was.
+    engine is left as it was. Raised in a hook (`Checkpoint(resume=...)`), it
+    propagates as itself, the hook named in a note (see `cadence.CadenceError`).
     """
 
     def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None, step: int | None = None) -> None:

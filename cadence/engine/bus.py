@@ -15,8 +15,22 @@ if TYPE_CHECKING:
     from cadence.engine.engine import Engine
 
 
+class CadenceError(Exception):
+    """Base of Cadence's documented errors (`CheckpointError`, `NonFiniteError`, ...).
+
+    Raised in a hook, one propagates as itself, so `except CheckpointError:`
+    catches it; the callback, event and step are added as a note (shown in the
+    traceback) and as `hook_callback` / `hook_event` / `hook_step`. Derive your
+    own callback's errors from it to get the same.
+    """
+
+    hook_callback: str | None = None
+    hook_event: Event | None = None
+    hook_step: int | None = None
+
+
 class HookError(RuntimeError):
-    """An exception raised inside a callback hook, naming the callback and event.
+    """Any other exception raised inside a callback hook, naming the callback and event.
 
     The original exception is `__cause__` and `.original`.
     """
@@ -30,6 +44,25 @@ class HookError(RuntimeError):
             f"callback {callback_key(callback)!r} raised {type(original).__name__} "
             f"in {event.value} at step {step}: {original}"
         )
+
+
+def hook_failure(callback: Any, event: Event, error: Exception, step: int) -> Exception:
+    """What an error raised in `callback`'s hook for `event` propagates as.
+
+    A `CadenceError` as itself, with the hook added as a note (once: an error
+    crossing nested events keeps the innermost hook); any other exception
+    wrapped in a `HookError`.
+    """
+    if not isinstance(error, CadenceError):
+        return HookError(callback, event, error, step)
+    if error.hook_event is None:
+        error.hook_callback, error.hook_event, error.hook_step = callback_key(callback), event, step
+        # What BaseException.add_note (Python 3.11+) does; on 3.10 the note is kept but not printed.
+        error.__notes__ = [  # type: ignore[attr-defined]
+            *getattr(error, "__notes__", ()),
+            f"raised by callback {callback_key(callback)!r} in {event.value} at step {step}",
+        ]
+    return error
 
 
 class OrderError(ValueError):
@@ -250,7 +283,7 @@ class EventBus:
             try:
                 hook(self._engine)
             except Exception as exc:
-                errors.append(HookError(self.owner(hook, event), event, exc, self._engine.state.step))
+                errors.append(hook_failure(self.owner(hook, event), event, exc, self._engine.state.step))
         return errors
 
     def owner(self, hook: Any, event: Event) -> Any:
@@ -273,7 +306,10 @@ def _dispatch(engine: Engine, table: dict[Event, tuple[Any, ...]] | None = None,
     except HookError:
         raise
     except Exception as exc:
-        raise HookError(engine._bus.owner(hook, event), event, exc, engine.state.step) from exc
+        error = hook_failure(engine._bus.owner(hook, event), event, exc, engine.state.step)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 # Each event dispatches with its own copy of `_dispatch`'s code. CPython
@@ -299,7 +335,10 @@ class _Instrumented:
             except HookError:
                 raise
             except Exception as exc:
-                raise HookError(self.bus.owner(hook, self.event), self.event, exc, engine.state.step) from exc
+                error = hook_failure(self.bus.owner(hook, self.event), self.event, exc, engine.state.step)
+                if error is exc:
+                    raise
+                raise error from exc
 
 
 def _event(event: Event | str) -> Event:
@@ -362,4 +401,4 @@ def _find_cycle(edges: dict[str, set[str]], nodes: set[str]) -> list[str]:
     return [*cycle, cycle[0]]
 
 
-__all__ = ["Callback", "EventBus", "FunctionHandler", "Handle", "HookError", "OrderError"]
+__all__ = ["CadenceError", "Callback", "EventBus", "FunctionHandler", "Handle", "HookError", "OrderError"]

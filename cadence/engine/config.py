@@ -114,7 +114,29 @@ def _type_name(t: Any) -> str:
 
 
 class _Loader(yaml.SafeLoader):
-    """Safe YAML that also reads ``1e5`` and ``3e-4`` as floats, like JSON, TOML and YAML 1.2."""
+    """Safe YAML that also reads ``1e5`` and ``3e-4`` as floats, like JSON, TOML and YAML 1.2.
+
+    A key given twice in one mapping is an error (PyYAML keeps the last one silently).
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` entries may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first != key_node.start_mark.line:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r} (first on line {first + 1}); give each key once",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)  # type: ignore[no-untyped-call]
 
 
 class _Dumper(yaml.SafeDumper):
@@ -422,7 +444,7 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         if suffix == ".toml":
             data: Any = tomllib.loads(text)
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             data = yaml.load(text, Loader=_Loader) or {}  # _Loader is a SafeLoader
     except (yaml.YAMLError, ValueError) as exc:  # JSON and TOML decode errors are ValueErrors
@@ -431,6 +453,15 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{file}': top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}; give each key once")
+        result[key] = value
+    return result
 
 
 def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:

@@ -105,6 +105,14 @@ def parse_overrides(cls: type, overrides: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(f"config error in '{item}': expected key=value, e.g. optim.lr=3e-4")
         inner, optional = _strip_optional(_field_type(cls, key))
         raw, value = _keeps_raw_text(inner), cast(Any, text)
+        if not raw and not text.strip():  # YAML reads "" as null: `engine.steps=` would clear the field unasked
+            clear = f" (to clear it, write {key}=null)" if optional else ""
+            raise ConfigError(
+                f"config error in '{item}': no value after '=' for {key}{clear}",
+                path=key,
+                expected=_type_name(inner),
+                received=text,
+            )
         if (optional and text in ("null", "None", "~")) or (not raw and text == "None"):
             value = None
         elif not raw:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -124,15 +125,19 @@ class DataSource:
             # they follow the run's seed too.
             self.generator = torch.Generator()
             kwargs["generator"] = self.generator
-        return StatefulDataLoader(
-            dataset,
-            batch_size=config.batch_size,
-            drop_last=config.drop_last,
-            num_workers=config.num_workers,
-            pin_memory=config.pin_memory,
-            pin_memory_device=pin_device if config.pin_memory else "",
-            **kwargs,
-        )
+        with warnings.catch_warnings():
+            # torchdata calls a deprecated torch API in every loader's __init__: a warning the
+            # user can do nothing about, that would be the first line of every run.
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            return StatefulDataLoader(
+                dataset,
+                batch_size=config.batch_size,
+                drop_last=config.drop_last,
+                num_workers=config.num_workers,
+                pin_memory=config.pin_memory,
+                pin_memory_device=pin_device if config.pin_memory else "",
+                **kwargs,
+            )
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

@@ -13,10 +13,10 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from cadence.engine import checks, registry, rundir
 from cadence.engine import config as config_module
-from cadence.engine import registry, rundir
 from cadence.engine.backend import NULL_CONTEXT, Backend, batch_size, restore_training_mode
-from cadence.engine.bus import EventBus, Handle
+from cadence.engine.bus import EventBus, Handle, callback_key
 from cadence.engine.control import Requests
 from cadence.engine.data import DataConfig, DataSource
 from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gather_outputs, scalar
@@ -184,14 +184,18 @@ class Engine:
     ) -> None:
         self.config = _build_config(config, overrides, backend)
         self._run_config = run_config
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if loss_fn is not None and step_fn is not None:
-            raise ValueError("give loss_fn or step_fn, not both")
+        optimizers, schedulers = _as_list(optimizer), _as_list(scheduler)
+        # Everything that can be checked is checked here, before the backend
+        # starts (under DDP, a process group): a wrong argument must not leave one behind.
+        checks.check_model(model, optimizers, loss_fn, step_fn)
+        checks.check_schedulers(schedulers)
+        for split, data in (("train", train_data), ("predict", predict_data)):
+            if data is not None:
+                checks.check_data(split, data, getattr(self.config, split))
         self.model = model
         self.wrapped_model: torch.nn.Module = model
-        self.optimizers: list[torch.optim.Optimizer] = _as_list(optimizer)
-        self.schedulers: list[Any] = _as_list(scheduler)
+        self.optimizers: list[torch.optim.Optimizer] = optimizers
+        self.schedulers: list[Any] = schedulers
         self.loss_fn, self.step_fn, self.eval_fn = loss_fn, step_fn, eval_fn
         self.state = State()
         self.requests: Requests = self.state.requests
@@ -204,6 +208,8 @@ class Engine:
         self.batch_indices: list[int] | None = None
         self.eval_metrics = MetricSet(metrics, metric_inputs) if metrics is not None else None
         eval_sets = _eval_sets(eval_data)  # checked before any process group starts
+        for data in eval_sets.values():
+            checks.check_data("eval", data, self.config.eval)
         unknown = sorted(set(self.config.eval_sets) - set(eval_sets))
         if unknown:
             raise ValueError(
@@ -230,30 +236,10 @@ class Engine:
         self.long_operation_name: str | None = None
         self.fit_target: tuple[float, float] = (math.inf, math.inf)
         self.restored_from: str | None = None  # the checkpoint the state was last restored from
-        if self.config.deterministic:  # before the backend touches CUDA
-            rundir.enable_determinism()
-        self.backend = _make_backend(backend if backend is not None else self.config.backend, self.config)
-        self.backend.setup(self)
-        self._seed_given = self.config.seed  # a drawn seed is not part of the run's identity
-        if self.config.seed is None:  # a retry reuses the seed its run directory recorded
-            seed = self.backend.broadcast_object(rundir.draw_seed(self))
-            self.config = attrs.evolve(self.config, seed=seed)
-        self.seed: int = self.config.seed  # type: ignore[assignment]
-        seed_everything(self.seed + self.backend.rank)
-        if self.eval_metrics is not None:
-            self.eval_metrics.bind(self.backend)
+        self.data: dict[str, DataSource] = {}
         #: The evaluation sets' split names, in the order they are evaluated.
         self.eval_splits: tuple[str, ...] = ()
-        self.data: dict[str, DataSource] = {}
-        for split, data, data_config in (
-            ("train", train_data, self.config.train),
-            ("predict", predict_data, self.config.predict),
-        ):
-            if data is not None:
-                self.data[split] = self._data_source(data, data_config, split)
-        for split, data in eval_sets.items():
-            self.data[split] = self._data_source(data, self._eval_loader_config(split), split)
-        self.eval_splits = tuple(eval_sets)
+        # Callbacks are built and ordered (config errors, duplicate keys, cycles) before the backend starts.
         for callback in callbacks:
             self.add_callback(callback)
         if train_metrics is not None:
@@ -262,6 +248,28 @@ class Engine:
         # An LRScheduler() the user registered already steps engine.schedulers.
         if self.schedulers and not any(getattr(c, "steps_engine_schedulers", False) for c in self.callbacks):
             self.add_callback(registry.callbacks.resolve("lr_scheduler")())
+        if self.config.deterministic:  # before the backend touches CUDA
+            rundir.enable_determinism()
+        self.backend = _make_backend(backend if backend is not None else self.config.backend, self.config)
+        try:
+            self.backend.setup(self)
+            self._seed_given = self.config.seed  # a drawn seed is not part of the run's identity
+            if self.config.seed is None:  # a retry reuses the seed its run directory recorded
+                seed = self.backend.broadcast_object(rundir.draw_seed(self))
+                self.config = attrs.evolve(self.config, seed=seed)
+            self.seed: int = self.config.seed  # type: ignore[assignment]
+            seed_everything(self.seed + self.backend.rank)
+            if self.eval_metrics is not None:
+                self.eval_metrics.bind(self.backend)
+            for split, data in (("train", train_data), ("predict", predict_data)):
+                if data is not None:
+                    self.data[split] = self._data_source(data, getattr(self.config, split), split)
+            for split, data in eval_sets.items():
+                self.data[split] = self._data_source(data, self._eval_loader_config(split), split)
+            self.eval_splits = tuple(eval_sets)
+        except BaseException:
+            self.close()  # what setup acquired (a process group it created, DDP's wrapper) is released
+            raise
 
     # -- callbacks --------------------------------------------------------
 
@@ -659,6 +667,7 @@ class Engine:
         if self._running:  # evaluate() inside fit()
             yield
             return
+        checks.check_order_targets(self.callbacks, callback_key)
         if not self._setup_done:
             self._setup_done = True
             self.fire(Event.ON_SETUP)
@@ -666,11 +675,14 @@ class Engine:
         try:
             yield
         except BaseException as exc:
-            self.exception = exc
+            clearer = checks.explain(self, exc)
+            self.exception = exc if clearer is None else clearer
             for error in self._bus.fire_all(Event.ON_EXCEPTION):
                 logger.error("%s (while handling %r)", error, exc)
             with contextlib.suppress(Exception):
                 self.backend.zero_grad(self)
+            if clearer is not None:
+                raise clearer from exc
             raise
         finally:
             self._running = False
@@ -712,7 +724,16 @@ class Engine:
                 inputs, targets = _split_batch(batch)
             outputs = model(inputs)
             return outputs, self.loss_fn(outputs, targets)
-        outputs = model(batch)
+        try:
+            outputs = model(batch)
+        except TypeError as exc:
+            if isinstance(batch, (tuple, list)) and len(batch) == 2:
+                raise TypeError(
+                    f"without loss_fn or step_fn the model is called on the whole batch, here a {type(batch).__name__} "
+                    f"of 2 (inputs and targets?), and raised: {exc}. Pass loss_fn= (e.g. torch.nn.functional."
+                    "cross_entropy) for (inputs, targets) batches, or step_fn= for others"
+                ) from exc
+            raise
         return outputs, _loss_of(outputs, "the model")
 
     def _eval_step(self, batch: Any) -> tuple[Mapping[str, Any], Any]:
@@ -736,7 +757,7 @@ class Engine:
 
     def _check_budget(self, steps: int | None, epochs: int | None) -> None:
         for name, value in (("steps", steps), ("epochs", epochs)):
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"fit({name}=...) must be an int >= 0, got {value!r}")
         if steps is None and epochs is None and self.config.steps is None and self.config.epochs is None:
             raise ValueError("nothing to fit: pass fit(steps=...) or fit(epochs=...), or set config steps / epochs")
@@ -757,6 +778,7 @@ class Engine:
             config = attrs.evolve(config, shuffle=True)
         device = self.backend.device
         data_rank, data_size = self.backend.data_shard(split)
+        checks.warn_unsharded(split, data, data_size)
         return DataSource(
             data,
             config,
@@ -772,7 +794,9 @@ class Engine:
             raise ValueError("fit() needs train_data: pass it to Engine(...)")
         if not self.optimizers:
             raise ValueError("fit() needs an optimizer: pass it to Engine(...)")
-        return self.data["train"]
+        source = self.data["train"]
+        checks.check_one_shot(source.loader, self.fit_target[1] - self.state.epoch)
+        return source
 
     def _source(self, data: Any, split: str) -> DataSource:
         if data is not None:
@@ -832,6 +856,7 @@ def _build_config(config: Any, overrides: dict[str, Any], backend: Any) -> Engin
         data = dict(config)
     else:
         raise TypeError(f"config must be an EngineConfig or a mapping, got {type(config).__name__}")
+    checks.check_keywords(overrides, [a.name for a in attrs.fields(EngineConfig)])
     data = config_module.merge(data, {k: _plain(v) for k, v in overrides.items()})
     if isinstance(backend, str):
         data["backend"] = backend

@@ -42,7 +42,11 @@ class TrainFeed:
                 if not group:
                     self.iterator = None
                     if state.batch_in_epoch == 0:
-                        raise ValueError("train data yielded no batch in a whole epoch; is it empty?")
+                        raise ValueError(
+                            f"train data yielded no batch in epoch {state.epoch + 1}: it is empty, or a one-shot "
+                            "iterator (a generator) that an earlier epoch exhausted; pass a Dataset, a DataLoader "
+                            "or a list"
+                        )
                     return
                 self.pending = group
             yield self.pending

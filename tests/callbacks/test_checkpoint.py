@@ -302,9 +302,9 @@ def test_a_background_write_error_is_raised_in_the_loop(tmp_path: Path) -> None:
     engine, _ = make(tmp_path, checkpoint={"interval": 1, "async_mode": "async"})
     guard = contextlib.ExitStack()
     engine.on(cadence.Event.ON_SAVE, once=1)(lambda e: guard.enter_context(undeletable(tmp_path)))
-    with guard, pytest.raises(cadence.HookError, match="background write of") as caught:
+    with guard, pytest.raises(CheckpointError, match="background write of") as caught:
         engine.fit(steps=10)
-    assert isinstance(caught.value.original, CheckpointError)
+    assert caught.value.hook_callback == "Checkpoint"  # the documented type, the hook in a note
     assert engine.state.step < 10
     assert not writer_threads()
 
@@ -345,7 +345,7 @@ def test_pretrained_is_strict_and_takes_exclusions(tmp_path: Path) -> None:
     source = trained(tmp_path / "a", 2)
     other = tiny_model(seed=3, classes=5)  # another head
     engine, _ = make(tmp_path / "b", model=other, checkpoint={"pretrained": str(tmp_path / "a")})
-    with pytest.raises(cadence.HookError, match=r"model tensors differ in shape: 2.weight: checkpoint \(4, 16\)"):
+    with pytest.raises(CheckpointError, match=r"model tensors differ in shape: 2.weight: checkpoint \(4, 16\)"):
         setup_only(engine)
     head = other[2].weight.clone()
     options = {"pretrained": str(tmp_path / "a"), "pretrained_exclude": ["2.*"], "save_on_fit_end": False}
@@ -435,7 +435,7 @@ def test_damage_is_a_clear_error_and_auto_resume_falls_back(tmp_path: Path, capl
     damage(tmp_path / "latest", how)
     engine, _ = make(tmp_path / "x", checkpoint={"resume": str(tmp_path / "latest")})
     before = snapshot(engine)
-    with pytest.raises(cadence.HookError, match=message) as caught:
+    with pytest.raises(CheckpointError, match=message) as caught:
         setup_only(engine)
     assert str(tmp_path / "latest") in str(caught.value)
     assert_untouched(engine, before)
@@ -453,7 +453,7 @@ def test_auto_resume_refuses_when_every_checkpoint_is_damaged(tmp_path: Path) ->
     trained(tmp_path, 2, checkpoint={"interval": 0})
     damage(tmp_path / "latest", "flipped")
     engine, _ = make(tmp_path, checkpoint={"auto_resume": True})
-    with pytest.raises(cadence.HookError, match="no complete checkpoint to resume from"):
+    with pytest.raises(CheckpointError, match="no complete checkpoint to resume from"):
         setup_only(engine)
 
 
@@ -474,7 +474,7 @@ def test_load_errors_name_the_file_and_step_and_leave_the_engine_untouched(tmp_p
         kwargs, message = {"grad_accum": 2}, "incompatible with the checkpoint's: grad_accum: checkpoint 1, this run 2"
     engine, _ = make(tmp_path / "b", checkpoint={"resume": str(path)}, **kwargs)
     before = snapshot(engine)
-    with pytest.raises(cadence.HookError, match=message) as caught:
+    with pytest.raises(CheckpointError, match=message) as caught:
         engine.fit(steps=2)
     assert str(path) in str(caught.value)
     if problem in ("model keys", "config"):
@@ -554,7 +554,7 @@ def test_states_of_unregistered_and_missing_callbacks_are_reported(tmp_path: Pat
     engine, _ = make(tmp_path, callbacks=[Counter("a"), Counter("c")], checkpoint=options)
     text = r"missing \['c'\] .*unexpected \['b'\]"
     if strict:
-        with pytest.raises(cadence.HookError, match=text):
+        with pytest.raises(CheckpointError, match=text):
             setup_only(engine)
         assert engine.state.step == 0
     else:

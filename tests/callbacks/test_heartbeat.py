@@ -9,6 +9,7 @@ control run without the pause protection shows the same pause is reported.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import threading
@@ -146,3 +147,70 @@ def test_a_stalled_rank_is_reported_with_rank_event_step_and_stacks(tmp_path):
     seen_by_0 = [s for s in rank0["stalls"] if s["rank"] == 1]
     assert len(seen_by_0) == 1 and (seen_by_0[0]["event"], seen_by_0[0]["step"]) == ("on_backward", 3)
     assert 2.0 <= seen_by_0[0]["time"] - began <= 3.0, seen_by_0[0]["time"] - began
+
+
+# -- a rank hung in a hook, whichever rank started first ------------------------------------
+
+HANG_STEP, HANG_SECONDS, TIMEOUT = 4, 4.0, 2.0
+
+
+def hang(how, side_group):
+    """Rank 1's hook at HANG_STEP: stuck for HANG_SECONDS in one of three ways."""
+
+    def sleeping(engine):
+        time.sleep(HANG_SECONDS)
+
+    def holding_the_gil(engine):
+        # A C call that keeps the GIL (a PyDLL call does not release it): no thread of the process runs.
+        ctypes.PyDLL(None).usleep(int(HANG_SECONDS * 1e6))
+
+    def in_a_collective(engine):
+        # Blocked in a collective that rank 0 joins only HANG_SECONDS later, from a thread.
+        torch.distributed.barrier(group=side_group)
+
+    return {"sleep": sleeping, "gil": holding_the_gil, "collective": in_a_collective}[how]
+
+
+def rank1_hangs(out, how, later):
+    rank = int(os.environ["RANK"])
+    heartbeat = Heartbeat(interval=0.5, timeout=TIMEOUT)
+    model = tiny_model(seed=3)
+    with cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_dataset(64), loss_fn=F.cross_entropy,
+        callbacks=[heartbeat], backend="ddp", seed=0, train={"batch_size": 4},
+    ) as engine:  # fmt: skip
+        side = torch.distributed.new_group(backend="gloo")
+        began = {}
+        if rank == later:  # this rank reaches the fit's start after the other
+            engine.on(Event.ON_FIT_START, order=0)(lambda e: time.sleep(0.6))
+        if rank == 1:
+            stuck = hang(how, side)
+
+            def hook(engine):
+                began["time"] = time.time()
+                stuck(engine)
+
+            engine.on(Event.ON_FORWARD, once=HANG_STEP)(hook)
+        elif how == "collective":
+            threading.Thread(
+                target=lambda: (time.sleep(HANG_SECONDS + 2), torch.distributed.barrier(group=side))
+            ).start()
+        engine.fit(steps=6)
+        Path(out, f"rank-{rank}.json").write_text(json.dumps({"stalls": heartbeat.stalls, "began": began.get("time")}))
+
+
+@pytest.mark.parametrize("later", [0, 1], ids=["rank0-starts-later", "rank1-starts-later"])
+@pytest.mark.parametrize("how", ["sleep", "gil", "collective"])
+def test_a_rank_hung_in_a_hook_is_named_with_its_step_event_and_stacks(tmp_path, how, later):
+    launch(rank1_hangs, str(tmp_path), how, later, nprocs=2, start_method="fork", timeout=100)
+    rank0, rank1 = (json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1))
+    seen = [s for s in rank0["stalls"] if s["rank"] == 1]
+    assert len(seen) == 1, rank0["stalls"]
+    assert (seen[0]["event"], seen[0]["step"]) == ("on_forward", HANG_STEP), seen
+    assert TIMEOUT <= seen[0]["time"] - rank1["began"] <= TIMEOUT + 1.0, seen[0]["time"] - rank1["began"]
+    stacks = Path(seen[0]["stacks"])
+    assert (
+        stacks.exists()
+        and "hook" in stacks.read_text()
+        and f"stuck in on_forward at step {HANG_STEP}" in stacks.read_text()
+    )

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 import cadence
 from cadence import Event
 from cadence.callbacks import Preemption
-from cadence.launch import WorkerError, launch
+from cadence.launch import Preempted, WorkerError, launch
 from tests.conftest import tiny_batches, tiny_dataset, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -173,9 +173,12 @@ def two_ranks_sigterm_on_rank0(out, signal_step):
 
 def test_two_ranks_agree_save_once_and_both_exit_143(tmp_path):
     signal_step = random.Random().randint(3, 30)
-    with pytest.raises(WorkerError) as info:
+    # A clean preemption is its own outcome (still a WorkerError), not a crash with "SystemExit: 143".
+    with pytest.raises(
+        Preempted, match=r"^preempted: rank [01] of 2 stopped at an agreed step and exited with 143"
+    ) as info:
         launch(two_ranks_sigterm_on_rank0, str(tmp_path), signal_step, nprocs=2, start_method="fork", timeout=90)
-    assert info.value.exitcode == 143, info.value
+    assert info.value.exitcode == 143 and isinstance(info.value, WorkerError), info.value
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     for report in ranks:
         assert report["exit"] == 143 and report["step"] == signal_step, (signal_step, report)

@@ -236,6 +236,41 @@ def test_teardown_error_surfaces_when_nothing_else_failed():
         engine.fit(steps=1)
 
 
+class StaleData(cadence.CadenceError):
+    """A callback's own documented error."""
+
+
+@pytest.mark.parametrize("event", [Event.ON_STEP_END, Event.ON_TEARDOWN])
+def test_a_documented_error_is_caught_as_itself_with_the_hook_named(event):
+    class Guard(Callback):
+        state_key = "guard"
+
+    def fail(engine):
+        raise StaleData("the data changed under the run")
+
+    setattr(Guard, event.value, lambda self, engine: fail(engine))
+    engine = make_engine(callbacks=[Guard()])
+    with pytest.raises(StaleData) as info:  # not wrapped in HookError
+        engine.fit(steps=1)
+    error = info.value
+    assert (error.hook_callback, error.hook_event, error.hook_step) == ("guard", event, 1)
+    assert error.__notes__ == [f"raised by callback 'guard' in {event.value} at step 1"]
+
+
+def test_a_checkpoint_error_from_resume_is_caught_as_checkpoint_error(tmp_path):
+    from cadence.callbacks import Checkpoint
+    from cadence.checkpoint.store import CheckpointError
+
+    engine = make_engine(callbacks=[Checkpoint(resume=str(tmp_path / "nowhere"))])
+    try:
+        engine.fit(steps=1)
+    except CheckpointError as error:  # what docs/checkpoints.md promises
+        assert str(tmp_path / "nowhere") in str(error) and error.hook_callback == "Checkpoint"
+    else:
+        raise AssertionError("a missing resume checkpoint did not raise")
+    assert engine.state.step == 0
+
+
 def test_duck_typed_callbacks_work():
     class Plain:
         order = 5

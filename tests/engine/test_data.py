@@ -158,3 +158,21 @@ def test_evaluation_on_two_ranks_with_unequal_batch_counts_is_the_exact_global_m
     assert expected[0] != expected[1]  # training changed the model
     assert [batches for batches, *_ in per_rank] == [9, 8]  # unequal counts, and nothing hung
     assert [predicted for _, predicted, *_ in per_rank] == [33, 32]  # 65 predictions, none repeated
+
+
+def test_building_a_loader_shows_no_torchdata_deprecation_warning():
+    # torchdata's `set_vital` deprecation would be the first line of every run and notebook cell.
+    import warnings
+
+    from tests.conftest import tiny_model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = tiny_model()
+        cadence.Engine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            tiny_dataset(),
+            loss_fn=torch.nn.functional.cross_entropy,
+        )
+    assert not [w for w in caught if "set_vital" in str(w.message)]

@@ -110,5 +110,7 @@ def test_fit_without_data_or_optimizer_fails_before_on_fit_start(data, optimizer
 
 
 def test_empty_train_data_is_an_error():
-    with pytest.raises(ValueError, match="yielded no batch in a whole epoch"):
-        engine([]).fit(steps=1)
+    with pytest.raises(ValueError, match="train_data is empty"):
+        engine([])  # known empty: refused at construction
+    with pytest.raises(ValueError, match="yielded no batch in epoch 1: it is empty, or a one-shot iterator"):
+        engine(b for b in []).fit(steps=1)  # found out when iterated

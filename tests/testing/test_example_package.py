@@ -17,7 +17,7 @@ pytestmark = [
     pytest.mark.timeout(300),
     pytest.mark.skipif(
         not any(d.metadata["Name"] == "cadence-gradstats" for d in metadata.distributions()),
-        reason="the example package is not installed: pip install ./examples/cadence-gradstats (.ci/run does)",
+        reason="the example package is not installed: pip install ./examples/cadence-gradstats (the README's test command does)",
     ),
 ]
 
