@@ -15,8 +15,8 @@ import fnmatch
 import logging
 import os
 import time
-from pathlib import Path
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs

@@ -71,7 +71,10 @@ def load_on_mesh(options: dict, checkpoint: str) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     ema = EMA(decay=0.9)
     with make_engine(
-        Net(seed=rank + 11), MeshBackend(**options, timeout=60), batch_size=2, callbacks=[ema, Checkpoint(resume=checkpoint)]
+        Net(seed=rank + 11),
+        MeshBackend(**options, timeout=60),
+        batch_size=2,
+        callbacks=[ema, Checkpoint(resume=checkpoint)],
     ) as engine:
         engine.evaluate()  # the first run applies the launch mode (on_setup)
         return {"params": flat(engine.model), "ema": shadow_of(ema), "step": engine.state.step}
@@ -91,7 +94,12 @@ def load_on_one_process(checkpoint: str) -> dict:
         train={"batch_size": 2, "shuffle": False},  # as saved (per data rank)
     )
     with engine:
-        return {"params": flat(engine.model), "ema": shadow_of(ema), "step": engine.state.step, "dist": dist.is_initialized()}
+        return {
+            "params": flat(engine.model),
+            "ema": shadow_of(ema),
+            "step": engine.state.step,
+            "dist": dist.is_initialized(),
+        }
 
 
 def _engine_args(model: torch.nn.Module) -> tuple:
