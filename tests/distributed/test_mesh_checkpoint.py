@@ -93,9 +93,17 @@ def load_on_one_process(checkpoint: str) -> dict:
         grad_accum=2,
         train={"batch_size": 2, "shuffle": False},  # as saved (per data rank)
     )
+    # Pretrained weights alone, through the callback on the local backend: the same store choice.
+    pretrained = Checkpoint(dir=str(Path(checkpoint).parent / "pretrained"), pretrained=checkpoint, interval=0)
+    with cadence.Engine(
+        *_engine_args(Net(seed=29)), loss_fn=F.cross_entropy, callbacks=[pretrained], backend="local", seed=0
+    ) as other:
+        other.evaluate(tiny_dataset(8))  # the first run applies the launch mode (on_setup)
+        weights = flat(other.model)
     with engine:
         return {
             "params": flat(engine.model),
+            "pretrained": weights,
             "ema": shadow_of(ema),
             "step": engine.state.step,
             "dist": dist.is_initialized(),
@@ -126,6 +134,7 @@ def test_fsdp2_resumes_bitwise_and_its_ema_reshards_to_one_rank_and_one_process(
     on_mesh = launch(load_on_mesh, {"shard": 1}, final, nprocs=1, start_method="fork", timeout=60)
     on_local = launch(load_on_one_process, final, nprocs=1, start_method="fork", timeout=60)
     assert not on_local["dist"]  # one process, no process group
+    assert torch.equal(on_local["pretrained"], got["straight"]["params"])
     for loaded in (on_mesh, on_local):
         assert loaded["step"] == STEPS
         assert torch.equal(loaded["params"], got["straight"]["params"])
