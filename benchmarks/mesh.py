@@ -1,7 +1,27 @@
-"""Mesh benchmarks. Section `dcp`: the DCP checkpoint store on 2 ranks against the disk.
+"""Mesh benchmarks. Section `loop`: Cadence's step on FSDP2 and TP against hand-written loops;
+section `dcp`: the DCP checkpoint store on 2 ranks against the disk.
 
+    python benchmarks/mesh.py loop                 # LM job and W2, FSDP2 and TP on 2 ranks, 7 pairs each
+    python benchmarks/mesh.py loop --steps 3 --repeats 3   # a quick smoke run
     python benchmarks/mesh.py dcp                  # ~1.2 GB of FSDP2-sharded state (params + AdamW), 5 repeats
     python benchmarks/mesh.py dcp --gb 0.1 --repeats 2   # a quick smoke run
+
+Section `loop`. For each workload (the LM job: examples/lm.py's Transformer, dim 128, 4 layers,
+sequences of 128 bytes, 8 sequences per data rank a step; W2 of benchmarks/overhead.py: an MLP
+1024x4 -> 10, batch 128 a step in all) and each layout (FSDP2: `shard=2`, every block a unit,
+each rank reading half the batch; TP: `shard=1, tensor=2`, the LM's `parallelize(mesh)` or W2's
+column/row split, both ranks reading the whole batch), one launch of 2 forked gloo ranks holds
+both loops, built from the same weights, and times them in alternated pairs of rounds:
+
+- Cadence: `Engine.fit(steps=N)` with `MeshBackend(...)` (its DataLoader and sampler, the events,
+  the step's agreement all-reduce), AdamW, no callbacks;
+- by hand: `fully_shard` on the same units and the root over a 1-D mesh (FSDP2), or the same
+  `parallelize_module` plan on a 1-D "tensor" mesh (TP); a `DataLoader` with a
+  `DistributedSampler` over the data ranks; forward, loss, backward, `optimizer.step()`,
+  `zero_grad()`.
+
+Reported per case: the median time per step of each (rank 0's clock, the ranks barrier-aligned
+before every round) and the per-pair ratios Cadence / by hand (median, min-max). Target: <= 1.03.
 
 Measured in one run, on the same disk (the folder given by --dir), with 2 forked gloo ranks
 (`cadence.launch`), each holding half of an FSDP2-sharded model (`fully_shard` over a stack of
@@ -185,19 +205,185 @@ def dcp(args: argparse.Namespace) -> None:
     print("all runs (s):", {k: [round(x, 3) for x in result[k]] for k in ("save", "dd", "async")})
 
 
+# -- loop: Cadence against hand-written FSDP2 / TP loops ------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+W2 = [1024, 1024, 1024, 1024, 10]
+
+
+def _lm_case(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT / "examples"))
+    import lm
+
+    config = lm.ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, seq_len=128)
+    torch.manual_seed(0)
+    model = lm.Transformer(config)
+    data = lm.ByteSequences(
+        torch.randint(0, 256, (128 * 16 * 64 + 1,), generator=torch.Generator().manual_seed(1)), 128
+    )
+    return {
+        "model": model,
+        "data": data,
+        "loss": lm.next_byte_loss,
+        "units": lambda m: list(m.layers),
+        "parallelize": lambda m, mesh: m.parallelize(mesh),
+        "batch": 16,  # sequences a step in all: 8 per data rank on FSDP2
+    }
+
+
+def _w2_case(args: argparse.Namespace) -> dict[str, Any]:
+    import itertools
+
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for a, b in itertools.pairwise(W2):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(128 * 64, W2[0], generator=g), torch.randint(0, 10, (128 * 64,), generator=g)
+    )
+
+    def parallelize(m: torch.nn.Module, mesh: Any) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(), "6": RowwiseParallel()}
+        parallelize_module(m, mesh["tensor"], plan)
+
+    return {
+        "model": model,
+        "data": data,
+        "loss": F.cross_entropy,
+        "units": lambda m: [layer for layer in m if isinstance(layer, torch.nn.Linear)],
+        "parallelize": parallelize,
+        "batch": 128,
+    }
+
+
+CASES = {"lm": _lm_case, "w2": _w2_case}
+LAYOUTS = {"fsdp2": {"shard": 2}, "tp": {"shard": 1, "tensor": 2}}
+
+
+def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str, Any]:
+    """One rank: both loops on the same weights, timed in alternated pairs of rounds of `args.steps` steps."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import cadence
+    from cadence.backends.mesh import MeshBackend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    case = CASES[workload](args)
+    fsdp = layout == "fsdp2"
+    per_rank = case["batch"] // world if fsdp else case["batch"]
+
+    # -- Cadence --
+    model = copy.deepcopy(case["model"])
+    engine = cadence.Engine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        case["data"],
+        loss_fn=case["loss"],
+        backend=MeshBackend(**LAYOUTS[layout], units_fn=case["units"], parallelize=case["parallelize"], timeout=300),
+        seed=0,
+        log_interval=10**9,
+        eval_every_epochs=None,
+        train={"batch_size": per_rank, "drop_last": True},
+    )
+
+    # -- by hand --
+    hand = copy.deepcopy(case["model"])
+    if fsdp:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        for unit in case["units"](hand):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(hand, mesh=mesh, reshard_after_forward=False)
+        sampler = torch.utils.data.DistributedSampler(case["data"], world, dist.get_rank(), shuffle=True, seed=0)
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
+        case["parallelize"](hand, mesh)
+        sampler = torch.utils.data.RandomSampler(case["data"], generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(hand.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(case["data"], batch_size=per_rank, sampler=sampler, drop_last=True)
+    epoch, batches = 0, iter(loader)
+    loss_fn = case["loss"]
+
+    def by_hand(steps: int) -> None:
+        nonlocal epoch, batches
+        for _ in range(steps):
+            batch = next(batches, None)
+            if batch is None:
+                epoch += 1
+                if isinstance(sampler, torch.utils.data.DistributedSampler):
+                    sampler.set_epoch(epoch)
+                batches = iter(loader)
+                batch = next(batches)
+            x, y = batch
+            loss = loss_fn(hand(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) / args.steps
+
+    engine.fit(steps=2)  # warm up both (lazy state, allocator)
+    by_hand(2)
+    out: dict[str, list[float]] = {"cadence": [], "hand": [], "ratios": []}
+    for i in range(args.repeats):
+        order = [("cadence", lambda: engine.fit(steps=args.steps)), ("hand", lambda: by_hand(args.steps))]
+        got = {name: timed(fn) for name, fn in (order if i % 2 == 0 else order[::-1])}
+        out["cadence"].append(got["cadence"])
+        out["hand"].append(got["hand"])
+        out["ratios"].append(got["cadence"] / got["hand"])
+    engine.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+def loop(args: argparse.Namespace) -> None:
+    import cadence
+
+    print(f"{'case':14} {'cadence ms/step':>16} {'by hand ms/step':>16}   {'ratio median (min-max)':24} target")
+    for workload in args.workloads:
+        for layout in args.layouts:
+            got = cadence.launch(loop_rank, args, workload, layout, nprocs=2, start_method="fork", timeout=3600)
+            c, h = statistics.median(got["cadence"]), statistics.median(got["hand"])
+            print(f"{workload + ' ' + layout:14} {c * 1e3:16.2f} {h * 1e3:16.2f}   {_spread(got['ratios']):24} <= 1.03")
+    print(f"({args.repeats} alternated pairs of rounds of {args.steps} steps each, 2 gloo ranks, 1 thread each)")
+
+
 def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("section", choices=["dcp"], help="which benchmark")
+    parser.add_argument("section", choices=["loop", "dcp"], help="which benchmark")
+    parser.add_argument("--steps", type=int, default=10, help="loop: steps per timed round")
+    parser.add_argument("--workloads", nargs="+", choices=sorted(CASES), default=["lm", "w2"], help="loop: workloads")
+    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["fsdp2", "tp"], help="loop: layouts")
     parser.add_argument("--gb", type=float, default=1.2, help="DCP: gigabytes of sharded state in all (default 1.2)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None, help="pairs (default: loop 7, dcp 5)")
     parser.add_argument("--dir", default=None, help="a folder on the disk to measure (default: a temp folder here)")
     args = parser.parse_args()
     print("load average (1, 5, 15 min) at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    if args.section == "loop":
+        args.repeats = args.repeats or 7
+        loop(args)
     if args.section == "dcp":
+        args.repeats = args.repeats or 5
         dcp(args)
     print("load average (1, 5, 15 min) at end:   {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 

@@ -185,6 +185,7 @@ class DCPStore(CheckpointStore):
         >>> payload = store.read("latest")  # every rank  # doctest: +SKIP
     """
 
+    kind: ClassVar[str] = STORE
     collective: ClassVar[bool] = True
     stages_itself: ClassVar[bool] = True  # async saves go through `write_async` (DCP stages), not a Staging copy
 

@@ -89,6 +89,7 @@ class DeepSpeedStore(CheckpointStore):
     """
 
     #: Every rank calls `write` and `read` (naming, retention and sweeping stay on the main rank).
+    kind: ClassVar[str] = "deepspeed"
     collective: ClassVar[bool] = True
     #: DeepSpeed's save_checkpoint runs collectives on the training group: never from a writer thread.
     background_safe: ClassVar[bool] = False

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -137,7 +138,14 @@ def locate(engine: Engine, store: CheckpointStore, path: str | os.PathLike[str])
     backend = engine.backend
     if not (store.collective and backend.world_size > 1):
         with store_errors("locating", path):
-            return store.locate(path)
+            at, name = store.locate(path)
+        if not store.collective and _written_by(at.path(name)) == "dcp":
+            # A sharded run's checkpoint (mesh, DDP with checkpoint="dcp") on a backend whose own store is
+            # the file store: DCP reads it on this rank's process group, or on one process without one.
+            from cadence.checkpoint.dcp_store import DCPStore
+
+            return DCPStore.for_engine(engine).at(at.directory), name
+        return at, name
     found: tuple[str, str] | None = None
     problem: str | None = None
     if backend.is_main:
@@ -151,6 +159,17 @@ def locate(engine: Engine, store: CheckpointStore, path: str | os.PathLike[str])
     if found is None:
         raise CheckpointError(str(problem), path=path)
     return store.at(found[0]), found[1]
+
+
+def _written_by(folder: os.PathLike[str]) -> str | None:
+    """The manifest's `"store"` field (`"file"` where it has none); None if it cannot be read (the store reports it)."""
+    import json
+
+    try:
+        manifest = json.loads((Path(folder) / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    return str(manifest.get("store", "file")) if isinstance(manifest, dict) else None
 
 
 def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, source: str = "") -> None:

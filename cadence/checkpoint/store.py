@@ -92,6 +92,9 @@ class CheckpointStore(abc.ABC):
       `CheckpointError` by the caller (`store_errors`).
 
     Attributes:
+        kind: the manifest's `"store"` field of the checkpoints it writes
+            (`"file"` where the manifest has none); a non-collective store's
+            `load_checkpoint` reads a `"dcp"` checkpoint with the DCP store.
         collective: `write` and `read` are collectives of every rank (see above).
         background_safe: `write` may run in the callback's writer thread while
             the loop trains (async saves). False for a store whose writes run
@@ -103,6 +106,7 @@ class CheckpointStore(abc.ABC):
             (`build_payload(engine, model=False)`).
     """
 
+    kind: ClassVar[str] = "file"
     collective: ClassVar[bool] = False
     background_safe: ClassVar[bool] = True
     restores_model: ClassVar[bool] = False

@@ -189,7 +189,13 @@ def build_engine(
 
 def parameters(engine: Engine) -> dict[str, torch.Tensor]:
     # Through the backend: whole tensors also where parameters are partitioned (DeepSpeed ZeRO-3; a collective).
-    return {k: v.detach().cpu().clone() for k, v in engine.backend.model_state_dict(engine).items()}
+    # A mesh's are DTensors: gathered whole (a collective every rank runs, in name order).
+    return {k: _whole(v).detach().cpu().clone() for k, v in engine.backend.model_state_dict(engine).items()}
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
 
 
 def engine_state(engine: Engine) -> dict[str, Any]:

@@ -64,6 +64,15 @@ def test_lm_trains_as_a_pipeline_on_two_ranks(tmp_path):
     assert final_val_loss(out) < math.log(256) - 1.0, out
 
 
+@pytest.mark.timeout(180)
+def test_lm_trains_with_fsdp2_on_two_ranks_and_its_loss_falls(tmp_path):
+    # The command of docs/benchmarks.md and the README: `python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2`.
+    out = run(tmp_path, "engine.steps=30", "nproc=2", "engine.backend=mesh", "mesh.shard=2")
+    assert "mesh(rank=0/2, shard=2" in out
+    assert "tokens/s" in out
+    assert final_val_loss(out) < math.log(256) - 1.0, out
+
+
 def test_model_parts_the_backends_use():
     sys.path.insert(0, str(ROOT / "examples"))
     try:

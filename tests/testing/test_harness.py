@@ -279,3 +279,27 @@ def test_the_pytest_form_is_one_parametrized_test_per_group(tmp_path):
 
 # The pytest form on a correct callback, as a callback author would write it.
 test_counter_contract = callback_contract(Counter, world_sizes=(1, 2))
+
+
+# -- the contract harness on the mesh backend ---------------------------------------------------
+
+# The built-ins that act on the step, the parameters or the checkpoint (as on DeepSpeed), on FSDP2
+# over every rank (shard=-1: one process, then 1 and 2 ranks, DTensor parameters and the DCP store).
+MESH_HARNESSED = [
+    "checkpoint",
+    "lr_scheduler",
+    "non_finite_skip",
+    "grad_clip",
+    "ema",
+    "early_stopping",
+    "train_metrics",
+]
+
+
+@pytest.mark.parametrize("name", MESH_HARNESSED)
+def test_the_harness_passes_builtin_callbacks_on_the_mesh(name, tmp_path):
+    from cadence.backends.mesh import MeshBackend
+
+    report = check_callback(BUILTINS[name], workdir=tmp_path, timeout=90, backend=lambda: MeshBackend(shard=-1))
+    assert report.ok, str(report)
+    assert {r.name for r in report.results} == set(PROPERTIES)
