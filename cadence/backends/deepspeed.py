@@ -129,6 +129,7 @@ class DeepSpeedBackend(DDPBackend):
         self._clip: float | None = None
         self._zero0_norm: Any = None
         self._groups_before: dict[str, Any] | None = None
+        self._env_set: list[str] = []  # launcher variables this backend set for a process without one
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> DeepSpeedBackend:
@@ -197,9 +198,12 @@ class DeepSpeedBackend(DDPBackend):
             self._init_process_group()  # raises, naming what is missing
         # One process without a launcher: a group of one on an in-memory store. DeepSpeed reads
         # the launcher's variables itself (LOCAL_RANK is required): set those of one process.
-        for name in ("RANK", "LOCAL_RANK"):
-            os.environ.setdefault(name, "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        # Set only for this engine and taken back at teardown: left in the process, they would
+        # make a later engine (or a child process) believe it was started by a launcher.
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            if name not in os.environ:
+                os.environ[name] = value
+                self._env_set.append(name)
         dist.init_process_group(
             "nccl" if torch.cuda.is_available() and self.requested_device != "cpu" else "gloo",
             store=dist.HashStore(),
@@ -227,6 +231,9 @@ class DeepSpeedBackend(DDPBackend):
 
     def teardown(self) -> None:
         self.ds = None
+        for name in self._env_set:
+            os.environ.pop(name, None)
+        self._env_set = []
         if self.created_group:
             # The group is destroyed below: DeepSpeed's module-level handles on it (its comm
             # backend, the groups it derived) go back to what they were, so that a later engine
