@@ -234,8 +234,11 @@ class DDPBackend(LocalBackend):
             return plan
         import attrs
 
-        # One process per replica group: no control request to agree with anyone.
-        return self.ft.step_plan(engine, attrs.evolve(plan, agree=None))
+        # One process per replica group: no control request to agree with anyone (the mesh
+        # backend's groups of several processes agree inside the group).
+        if self.world_size == 1:
+            plan = attrs.evolve(plan, agree=None)
+        return self.ft.step_plan(engine, plan)
 
     def data_shard(self, split: str) -> tuple[int, int]:
         """Training data over every rank (with ft: of every replica group); with ft, evaluation and prediction inside the group."""

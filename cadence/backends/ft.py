@@ -1,4 +1,4 @@
-"""TorchFT fault tolerance across replica groups (the `ft` option of the ddp backend).
+"""TorchFT fault tolerance across replica groups (the `ft` option of the ddp and mesh backends).
 
 A job is several *replica groups*, each its own torch world started by its own
 launch (`torchrun` or `cadence.launch`; `WORLD_SIZE` is the group's size). A
@@ -20,6 +20,10 @@ What Cadence adds around TorchFT (see docs/fault-tolerance.md):
   position (`epoch`, `batch_in_epoch`, `samples_seen`, `tokens_seen`, its loader
   and RNG): data positions are saved per replica group (`ReplicaStore`) and win
   over the main checkpoint's on restore.
+- Inside a group: the ddp backend is one process (torchft's DDP all-reduces
+  across groups); the mesh backend runs FSDP2 (shard/replicate axes) inside
+  the group and all-reduces each reduce-scattered gradient shard across groups
+  through the Manager (`FSDPModule.set_all_reduce_hook`, `all_reduce_hook`).
 - Data is sharded over all replica groups (`data_rank = replica_id * W +
   group rank`, `data_size = group_size * W`); metrics, evaluation and control
   requests stay inside the group (no collective crosses groups but TorchFT's).
@@ -186,16 +190,6 @@ def check_mesh_axes(axes: Mapping[str, int]) -> None:
         )
 
 
-def check_mesh(axes: Mapping[str, int]) -> None:
-    """The mesh backend's error for `ft`: tensor/pipeline/context/expert axes, else FSDP2 mode not built yet."""
-    check_mesh_axes(axes)
-    raise unsupported(
-        "the mesh backend",
-        "FSDP2/HSDP inside a replica group (gradients all-reduced across groups through TorchFT's Manager) is not "
-        "supported yet; use the ddp backend with one process per replica group",
-    )
-
-
 def check_deepspeed() -> None:
     """The error for DeepSpeed with `ft` (for the DeepSpeed backend's setup, before any lighthouse is contacted)."""
     raise unsupported(
@@ -278,7 +272,7 @@ def replica_name(replica_id: int) -> str:
 
 
 class FaultTolerance:
-    """One replica group's TorchFT Manager and the step functions around it (used by the ddp backend).
+    """One replica group's TorchFT Manager and the step functions around it (used by the ddp and mesh backends).
 
     Attributes:
         config: the resolved `FTConfig`.
@@ -501,6 +495,20 @@ class FaultTolerance:
             f"Start the missing replica groups, or check the lighthouse address and its --min_replicas "
             f"({type(failed).__name__}: {failed})"
         )
+
+    def all_reduce_hook(self) -> Any:
+        """FSDP2's all-reduce hook: average a gradient shard across replica groups through the Manager.
+
+        Runs after the group's reduce-scatter (and HSDP all-reduce), in place.
+        A failed all-reduce does not raise: the Manager records it and refuses
+        the step's commit.
+        """
+        manager = self.manager
+
+        def hook(output: torch.Tensor) -> None:
+            manager.allreduce(output).wait()
+
+        return hook
 
     def step_plan(self, engine: Engine, plan: StepPlan) -> StepPlan:
         """Wrap a backend's step plan: quorum per step, commit-gated optimizer step, healing."""

@@ -4,10 +4,12 @@ Replica groups run as plain `python` subprocesses: the test process holds the
 in-process lighthouse, whose Rust threads make forking it risky.
 
 It trains a tiny model with an LR scheduler and EMA through `DDPBackend(ft=...)`
+(or, with `"backend": "mesh"`, `MeshBackend(ft=..., shard=1)`: FSDP2 on the group's one process)
 and appends one JSON line per step to `out` (step, parameter digest,
 participants, refused commits, heals, data position, pid), then a last line
 `{"end": ...}` or `{"error": ...}`. Options (the JSON object):
 
+- backend: "ddp" (default) or "mesh"
 - lighthouse, replica_id, group_size, min_replica_size, quorum_timeout, port, out
 - steps: the fit's step target (absolute); more_steps: train this many steps after the restored one
 - pace: seconds slept per step
@@ -42,10 +44,15 @@ from cadence.backends.ft import FTConfig
 from cadence.callbacks import EMA, Checkpoint
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 parameters), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha1()
     for p in model.parameters():
-        h.update(p.detach().cpu().numpy().tobytes())
+        h.update(local(p.detach()).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -97,6 +104,7 @@ class Record(cadence.Callback):
             "batch": digest_tensors([engine.batch[0]]),
             "pid": os.getpid(),
             "time": time.time(),
+            "dtensor": all(hasattr(p, "to_local") for p in engine.model.parameters()),
         }
         if self.snapshot is not None:
             line["before"], self.snapshot = self.snapshot, None
@@ -124,8 +132,16 @@ def engine_ema(engine):
 def digest_tensors(tensors) -> str:
     h = hashlib.sha1()
     for t in tensors:
-        h.update(t.detach().cpu().numpy().tobytes())
+        h.update(local(t.detach()).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def make_backend(options: dict, ft: FTConfig):
+    if options.get("backend") == "mesh":
+        from cadence.backends.mesh import MeshBackend
+
+        return MeshBackend(ft=ft, shard=1, units=["Linear"], timeout=10)
+    return DDPBackend(ft=ft, timeout=10)
 
 
 def wait_for(condition: dict) -> None:
@@ -194,7 +210,7 @@ def main() -> None:
                 data,
                 loss_fn=torch.nn.functional.cross_entropy,
                 scheduler=scheduler,
-                backend=DDPBackend(ft=ft, timeout=10),
+                backend=make_backend(options, ft),
                 callbacks=callbacks,
                 seed=0,
                 steps=options.get("steps"),

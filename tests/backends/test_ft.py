@@ -145,8 +145,7 @@ def test_mesh_axes_and_deepspeed_with_ft_are_refused():
     for axis in ("tensor", "pipeline", "context", "expert"):
         with pytest.raises(ValueError, match=rf"ft \(TorchFT fault tolerance\) with the mesh axes \{{'{axis}': 2\}}"):
             MeshBackend(ft=ft, **{axis: 2})
-    with pytest.raises(ValueError, match="with the mesh backend is not supported: FSDP2/HSDP inside a replica group"):
-        MeshBackend(ft=ft, shard=2)
+    assert MeshBackend(ft=ft, shard=2, replicate=2).ft.replica_id == 0  # the data axes are FSDP2/HSDP in a group
     with pytest.raises(ValueError, match="with the deepspeed backend is not supported: DeepSpeed runs its own"):
         DeepSpeedBackend(ft=ft, zero_stage=2)
     with pytest.raises(ValueError, match=r"with checkpoint='dcp' is not supported"):
@@ -282,9 +281,14 @@ def test_restore_prefers_the_replica_data_position_and_healing_keeps_it(scenario
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ddp_replica_killed_and_restarted_heals_while_the_survivor_goes_on(tmp_path):
+    kill_restart_heal(tmp_path, "ddp")
+
+
+def kill_restart_heal(tmp_path, backend: str) -> None:
+    """Replica group 1 SIGKILLed after 5 full steps and restarted; replica group 0 goes on and waits for it."""
     from cadence.backends.ft import local_lighthouse
 
-    common = {"group_size": 2, "steps": 100_000, "stop_after_join": 15, "pace": 0.05}
+    common = {"group_size": 2, "steps": 100_000, "stop_after_join": 15, "pace": 0.05, "backend": backend}
     started: list[Replica] = []
     try:
         with local_lighthouse(min_replicas=1, heartbeat_timeout_ms=1000) as address:
@@ -305,6 +309,9 @@ def test_ddp_replica_killed_and_restarted_heals_while_the_survivor_goes_on(tmp_p
         for replica in started:
             replica.kill()
     ours, theirs = survivor.steps(), restarted.steps()
+    # FSDP2 is what ran in mesh mode (DTensor parameters); each group's share of the data differs, so
+    # equal parameters below need the gradient all-reduce across groups.
+    assert all(line["dtensor"] == (backend == "mesh") for line in ours + theirs)
     # The survivor never stopped: one process, every step once, in order.
     assert [line["step"] for line in ours] == list(range(1, len(ours) + 1))
     assert len({line["pid"] for line in ours}) == 1
@@ -328,8 +335,10 @@ def test_ddp_replica_killed_and_restarted_heals_while_the_survivor_goes_on(tmp_p
     assert theirs[0]["batch_in_epoch"] == 1 < mine[healed_at]["batch_in_epoch"]
 
 
-@pytest.mark.skip(
-    reason="FSDP2 mode is not built: MeshBackend(ft=...) raises 'not supported' (the mesh backend landed late)"
-)
-def test_fsdp2_replica_killed_and_restarted_heals():  # pragma: no cover
-    pass
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fsdp2_replica_killed_and_restarted_heals_while_the_survivor_goes_on(tmp_path):
+    # Each replica group is one process running MeshBackend(shard=1): FSDP2 on a 1-rank mesh, gradient
+    # shards averaged across the groups by the all-reduce hook; healing sends the DTensor state dicts.
+    kill_restart_heal(tmp_path, "mesh")
