@@ -9,7 +9,8 @@ and appends one JSON line per step to `out` (step, parameter digest,
 participants, refused commits, heals, data position, pid), then a last line
 `{"end": ...}` or `{"error": ...}`. Options (the JSON object):
 
-- backend: "ddp" (default) or "mesh"
+- backend: "ddp" (default) or "mesh"; shard: the mesh's shard axis (a group of several processes runs under
+  torchrun; rank r > 0 writes to `out` + ".rank<r>")
 - lighthouse, replica_id, group_size, min_replica_size, quorum_timeout, port, out
 - steps: the fit's step target (absolute); more_steps: train this many steps after the restored one
 - pace: seconds slept per step
@@ -140,7 +141,7 @@ def make_backend(options: dict, ft: FTConfig):
     if options.get("backend") == "mesh":
         from cadence.backends.mesh import MeshBackend
 
-        return MeshBackend(ft=ft, shard=1, units=["Linear"], timeout=10)
+        return MeshBackend(ft=ft, shard=options.get("shard", 1), units=["Linear"], timeout=10)
     return DDPBackend(ft=ft, timeout=10)
 
 
@@ -169,10 +170,14 @@ def main() -> None:
     if options.get("start_after"):
         for condition in options["start_after"]:
             wait_for(condition)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(options["port"]), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    )
-    torch.manual_seed(options["replica_id"])  # replicas start different: the first quorum makes them equal
+    # A plain python process is a group of one; under torchrun (a mesh group of several) its own values stay.
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(options["port"]), "RANK": "0", "WORLD_SIZE": "1"}
+    for name, value in {**defaults, "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(name, value)
+    rank = int(os.environ["RANK"])
+    if rank:
+        options["out"] += f".rank{rank}"  # each rank records its own shards
+    torch.manual_seed(options["replica_id"] * 10 + rank)  # replicas start different: the first quorum makes them equal
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     g = torch.Generator().manual_seed(1)
     samples = options.get("samples", 4096)
