@@ -166,7 +166,7 @@ class DDPBackend(LocalBackend):
                 raise unsupported(
                     f"the ddp backend on {self.world_size} processes per replica group",
                     "a replica group of the ddp backend is one process (WORLD_SIZE=1); start one launch per "
-                    "replica group, or use the mesh backend (FSDP2 inside a group) once it supports ft",
+                    "replica group, or use the mesh backend (MeshBackend(ft=...): FSDP2 inside a group)",
                 )
             self.data_rank, self.data_size = self.ft.data_shard(self.rank, self.world_size)
         if self.requested_device:

@@ -391,3 +391,28 @@ def test_fsdp2_replica_groups_of_two_processes_train_equal(tmp_path):
             assert mine["batch"] != other["batch"]  # four data ranks, four different batches
             assert (mine["digest"], mine["lr"], mine["ema"]) == (other["digest"], other["lr"], other["ema"])
     assert steps("group0", 0)[-1]["digest"] != steps("group0", 1)[-1]["digest"]  # the ranks hold different shards
+
+
+@needs_torchft
+@pytest.mark.timeout(120)
+def test_fsdp2_mode_refuses_a_checkpoint_callback_naming_the_fix(tmp_path):
+    from cadence.backends.ft import local_lighthouse
+
+    with local_lighthouse(min_replicas=1) as address:
+        replica = Replica(
+            tmp_path,
+            "ckpt",
+            lighthouse=address,
+            replica_id=0,
+            group_size=1,
+            steps=2,
+            backend="mesh",
+            checkpoint=str(tmp_path / "ckpt"),
+        )
+        try:
+            assert replica.wait(timeout=100) != 0
+        finally:
+            replica.kill()
+    error = replica.lines()[-1]
+    assert "the mesh backend and a Checkpoint callback is not supported" in error["error"], replica.tail()
+    assert "use the ddp backend with ft to checkpoint, or drop Checkpoint" in error["error"]
