@@ -168,7 +168,7 @@ class DDPBackend(LocalBackend):
                 raise unsupported(
                     f"the ddp backend on {self.world_size} processes per replica group",
                     "a replica group of the ddp backend is one process (WORLD_SIZE=1); start one launch per "
-                    "replica group, or use the mesh backend (FSDP2 inside a group) once it supports ft",
+                    "replica group, or use the mesh backend (MeshBackend(ft=...): FSDP2 inside a group)",
                 )
             self.data_rank, self.data_size = self.ft.data_shard(self.rank, self.world_size)
         if self.requested_device:
@@ -243,8 +243,11 @@ class DDPBackend(LocalBackend):
             return plan
         import attrs
 
-        # One process per replica group: no control request to agree with anyone.
-        return self.ft.step_plan(engine, attrs.evolve(plan, agree=None))
+        # One process per replica group: no control request to agree with anyone (the mesh
+        # backend's groups of several processes agree inside the group).
+        if self.world_size == 1:
+            plan = attrs.evolve(plan, agree=None)
+        return self.ft.step_plan(engine, plan)
 
     def data_shard(self, split: str) -> tuple[int, int]:
         """Training data over every rank (with ft: of every replica group); with ft, evaluation and prediction inside the group."""

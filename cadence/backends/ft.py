@@ -1,4 +1,4 @@
-"""TorchFT fault tolerance across replica groups (the `ft` option of the ddp backend).
+"""TorchFT fault tolerance across replica groups (the `ft` option of the ddp and mesh backends).
 
 A job is several *replica groups*, each its own torch world started by its own
 launch (`torchrun` or `cadence.launch`; `WORLD_SIZE` is the group's size). A
@@ -20,6 +20,10 @@ What Cadence adds around TorchFT (see docs/fault-tolerance.md):
   position (`epoch`, `batch_in_epoch`, `samples_seen`, `tokens_seen`, its loader
   and RNG): data positions are saved per replica group (`ReplicaStore`) and win
   over the main checkpoint's on restore.
+- Inside a group: the ddp backend is one process (torchft's DDP all-reduces
+  across groups); the mesh backend runs FSDP2 (shard/replicate axes) inside
+  the group and all-reduces each reduce-scattered gradient shard across groups
+  through the Manager (`FSDPModule.set_all_reduce_hook`, `all_reduce_hook`).
 - Data is sharded over all replica groups (`data_rank = replica_id * W +
   group rank`, `data_size = group_size * W`); metrics, evaluation and control
   requests stay inside the group (no collective crosses groups but TorchFT's).
@@ -186,16 +190,6 @@ def check_mesh_axes(axes: Mapping[str, int]) -> None:
         )
 
 
-def check_mesh(axes: Mapping[str, int]) -> None:
-    """The mesh backend's error for `ft`: tensor/pipeline/context/expert axes, else FSDP2 mode not built yet."""
-    check_mesh_axes(axes)
-    raise unsupported(
-        "the mesh backend",
-        "FSDP2/HSDP inside a replica group (gradients all-reduced across groups through TorchFT's Manager) is not "
-        "supported yet; use the ddp backend with one process per replica group",
-    )
-
-
 def check_deepspeed() -> None:
     """The error for DeepSpeed with `ft` (for the DeepSpeed backend's setup, before any lighthouse is contacted)."""
     raise unsupported(
@@ -278,7 +272,7 @@ def replica_name(replica_id: int) -> str:
 
 
 class FaultTolerance:
-    """One replica group's TorchFT Manager and the step functions around it (used by the ddp backend).
+    """One replica group's TorchFT Manager and the step functions around it (used by the ddp and mesh backends).
 
     Attributes:
         config: the resolved `FTConfig`.
@@ -391,8 +385,8 @@ class FaultTolerance:
         assert engine is not None
         backend, state = engine.backend, engine.state
         return {
-            "model": backend.model_state_dict(engine),
-            "optimizers": backend.optimizer_state_dicts(engine),
+            "model": local_shards(backend.model_state_dict(engine)),
+            "optimizers": local_shards(backend.optimizer_state_dicts(engine)),
             "schedulers": [scheduler.state_dict() for scheduler in engine.schedulers],
             "callbacks": {key: cb.state_dict() for key, cb in stateful_callbacks(engine).items()},
             "engine": {name: getattr(state, name) for name in ADOPTED_COUNTERS},
@@ -406,8 +400,9 @@ class FaultTolerance:
         assert engine is not None
         backend, state = engine.backend, engine.state
         before = state.step
-        backend.load_model_state_dict(engine, received["model"])
-        backend.load_optimizer_state_dicts(engine, received["optimizers"])
+        specs = backend.model_state_dict(engine)  # the mesh and placements of each (DTensor) entry, by name
+        backend.load_model_state_dict(engine, from_local_shards(received["model"], specs))
+        backend.load_optimizer_state_dicts(engine, from_local_shards(received["optimizers"], specs))
         for scheduler, saved in zip(engine.schedulers, received["schedulers"]):
             scheduler.load_state_dict(saved)
         callbacks, saved_states = stateful_callbacks(engine), received["callbacks"]
@@ -502,6 +497,20 @@ class FaultTolerance:
             f"({type(failed).__name__}: {failed})"
         )
 
+    def all_reduce_hook(self) -> Any:
+        """FSDP2's all-reduce hook: average a gradient shard across replica groups through the Manager.
+
+        Runs after the group's reduce-scatter (and HSDP all-reduce), in place.
+        A failed all-reduce does not raise: the Manager records it and refuses
+        the step's commit.
+        """
+        manager = self.manager
+
+        def hook(output: torch.Tensor) -> None:
+            manager.allreduce(output).wait()
+
+        return hook
+
     def step_plan(self, engine: Engine, plan: StepPlan) -> StepPlan:
         """Wrap a backend's step plan: quorum per step, commit-gated optimizer step, healing."""
         if self.manager is None:
@@ -568,6 +577,54 @@ class FaultTolerance:
             f"ft(replica {self.replica_id}/{self.group_size}, min {self.config.min_replica_size}, "
             f"lighthouse {self.config.lighthouse})"
         )
+
+
+#: The key marking a DTensor sent as its local shard (`local_shards`).
+_SHARD = "__cadence_local_shard__"
+
+
+def local_shards(tree: Any) -> Any:
+    """`tree` with every DTensor replaced by its local shard, its global shape and stride (for healing).
+
+    TorchFT heals group rank r from group rank r of a live group, whose mesh
+    inside the group is the same: each rank sends its own shards as plain
+    tensors and the receiver rebuilds DTensors on its own mesh
+    (`from_local_shards`). Plain tensors and other values pass unchanged.
+    """
+    if isinstance(tree, Mapping):
+        return {key: local_shards(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local_shards(value) for value in tree)
+    if hasattr(tree, "to_local") and hasattr(tree, "placements"):
+        return {_SHARD: tree.to_local(), "shape": tuple(tree.shape), "stride": tuple(tree.stride())}
+    return tree
+
+
+def from_local_shards(tree: Any, specs: Mapping[str, Any], spec: Any = None) -> Any:
+    """Undo `local_shards`: each shard becomes a DTensor on the mesh and placements of `specs[name]`.
+
+    `specs` is this rank's model state dict (by parameter name): the entry for
+    a name gives the mesh of that name's value in the model state and of its
+    optimizer state (exp_avg, momentum_buffer, ... under the same name).
+    """
+    if isinstance(tree, Mapping):
+        if _SHARD in tree:
+            if spec is None or not hasattr(spec, "placements"):
+                raise RuntimeError("ft: healing received a sharded tensor for an entry this model does not shard")
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(
+                tree[_SHARD],
+                spec.device_mesh,
+                spec.placements,
+                run_check=False,
+                shape=tree["shape"],
+                stride=tree["stride"],
+            )
+        return {key: from_local_shards(value, specs, specs.get(key, spec)) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(from_local_shards(value, specs, spec) for value in tree)
+    return tree
 
 
 def wrap_ddp(manager: Any, module: torch.nn.Module, **options: Any) -> torch.nn.Module:

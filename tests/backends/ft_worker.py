@@ -4,10 +4,13 @@ Replica groups run as plain `python` subprocesses: the test process holds the
 in-process lighthouse, whose Rust threads make forking it risky.
 
 It trains a tiny model with an LR scheduler and EMA through `DDPBackend(ft=...)`
+(or, with `"backend": "mesh"`, `MeshBackend(ft=..., shard=1)`: FSDP2 on the group's one process)
 and appends one JSON line per step to `out` (step, parameter digest,
 participants, refused commits, heals, data position, pid), then a last line
 `{"end": ...}` or `{"error": ...}`. Options (the JSON object):
 
+- backend: "ddp" (default) or "mesh"; shard: the mesh's shard axis (a group of several processes runs under
+  torchrun; rank r > 0 writes to `out` + ".rank<r>")
 - lighthouse, replica_id, group_size, min_replica_size, quorum_timeout, port, out
 - steps: the fit's step target (absolute); more_steps: train this many steps after the restored one
 - pace: seconds slept per step
@@ -42,10 +45,15 @@ from cadence.backends.ft import FTConfig
 from cadence.callbacks import EMA, Checkpoint
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 parameters), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha1()
     for p in model.parameters():
-        h.update(p.detach().cpu().numpy().tobytes())
+        h.update(local(p.detach()).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -97,6 +105,7 @@ class Record(cadence.Callback):
             "batch": digest_tensors([engine.batch[0]]),
             "pid": os.getpid(),
             "time": time.time(),
+            "dtensor": all(hasattr(p, "to_local") for p in engine.model.parameters()),
         }
         if self.snapshot is not None:
             line["before"], self.snapshot = self.snapshot, None
@@ -124,8 +133,16 @@ def engine_ema(engine):
 def digest_tensors(tensors) -> str:
     h = hashlib.sha1()
     for t in tensors:
-        h.update(t.detach().cpu().numpy().tobytes())
+        h.update(local(t.detach()).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def make_backend(options: dict, ft: FTConfig):
+    if options.get("backend") == "mesh":
+        from cadence.backends.mesh import MeshBackend
+
+        return MeshBackend(ft=ft, shard=options.get("shard", 1), units=["Linear"], timeout=10)
+    return DDPBackend(ft=ft, timeout=10)
 
 
 def wait_for(condition: dict) -> None:
@@ -153,10 +170,14 @@ def main() -> None:
     if options.get("start_after"):
         for condition in options["start_after"]:
             wait_for(condition)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(options["port"]), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    )
-    torch.manual_seed(options["replica_id"])  # replicas start different: the first quorum makes them equal
+    # A plain python process is a group of one; under torchrun (a mesh group of several) its own values stay.
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(options["port"]), "RANK": "0", "WORLD_SIZE": "1"}
+    for name, value in {**defaults, "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(name, value)
+    rank = int(os.environ["RANK"])
+    if rank:
+        options["out"] += f".rank{rank}"  # each rank records its own shards
+    torch.manual_seed(options["replica_id"] * 10 + rank)  # replicas start different: the first quorum makes them equal
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     g = torch.Generator().manual_seed(1)
     samples = options.get("samples", 4096)
@@ -194,7 +215,7 @@ def main() -> None:
                 data,
                 loss_fn=torch.nn.functional.cross_entropy,
                 scheduler=scheduler,
-                backend=DDPBackend(ft=ft, timeout=10),
+                backend=make_backend(options, ft),
                 callbacks=callbacks,
                 seed=0,
                 steps=options.get("steps"),

@@ -45,13 +45,24 @@ def free_port() -> int:
 class Replica:
     """One replica group: a `python ft_worker.py` subprocess writing JSON lines to `out`."""
 
-    def __init__(self, folder: Path, name: str, **options) -> None:
+    def __init__(self, folder: Path, name: str, nprocs: int = 1, **options) -> None:
         self.out, self.log = folder / f"{name}.jsonl", folder / f"{name}.log"
         options = {"port": free_port(), "out": str(self.out), "workspace": str(folder / "runs"), **options}
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, str(WORKER), json.dumps(options)]
+        if nprocs > 1:  # a group of several processes: torchrun (its store on options["port"])
+            run = [
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(nprocs),
+                "--master_port",
+                str(options["port"]),
+            ]
+            command = [sys.executable, *run, *command[1:]]
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps(options)],
+                command,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -145,8 +156,7 @@ def test_mesh_axes_and_deepspeed_with_ft_are_refused():
     for axis in ("tensor", "pipeline", "context", "expert"):
         with pytest.raises(ValueError, match=rf"ft \(TorchFT fault tolerance\) with the mesh axes \{{'{axis}': 2\}}"):
             MeshBackend(ft=ft, **{axis: 2})
-    with pytest.raises(ValueError, match="with the mesh backend is not supported: FSDP2/HSDP inside a replica group"):
-        MeshBackend(ft=ft, shard=2)
+    assert MeshBackend(ft=ft, shard=2, replicate=2).ft.replica_id == 0  # the data axes are FSDP2/HSDP in a group
     with pytest.raises(ValueError, match="with the deepspeed backend is not supported: DeepSpeed runs its own"):
         DeepSpeedBackend(ft=ft, zero_stage=2)
     with pytest.raises(ValueError, match=r"with checkpoint='dcp' is not supported"):
@@ -282,9 +292,14 @@ def test_restore_prefers_the_replica_data_position_and_healing_keeps_it(scenario
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ddp_replica_killed_and_restarted_heals_while_the_survivor_goes_on(tmp_path):
+    kill_restart_heal(tmp_path, "ddp")
+
+
+def kill_restart_heal(tmp_path, backend: str) -> None:
+    """Replica group 1 SIGKILLed after 5 full steps and restarted; replica group 0 goes on and waits for it."""
     from cadence.backends.ft import local_lighthouse
 
-    common = {"group_size": 2, "steps": 100_000, "stop_after_join": 15, "pace": 0.05}
+    common = {"group_size": 2, "steps": 100_000, "stop_after_join": 15, "pace": 0.05, "backend": backend}
     started: list[Replica] = []
     try:
         with local_lighthouse(min_replicas=1, heartbeat_timeout_ms=1000) as address:
@@ -305,6 +320,9 @@ def test_ddp_replica_killed_and_restarted_heals_while_the_survivor_goes_on(tmp_p
         for replica in started:
             replica.kill()
     ours, theirs = survivor.steps(), restarted.steps()
+    # FSDP2 is what ran in mesh mode (DTensor parameters); each group's share of the data differs, so
+    # equal parameters below need the gradient all-reduce across groups.
+    assert all(line["dtensor"] == (backend == "mesh") for line in ours + theirs)
     # The survivor never stopped: one process, every step once, in order.
     assert [line["step"] for line in ours] == list(range(1, len(ours) + 1))
     assert len({line["pid"] for line in ours}) == 1
@@ -328,8 +346,73 @@ def test_ddp_replica_killed_and_restarted_heals_while_the_survivor_goes_on(tmp_p
     assert theirs[0]["batch_in_epoch"] == 1 < mine[healed_at]["batch_in_epoch"]
 
 
-@pytest.mark.skip(
-    reason="FSDP2 mode is not built: MeshBackend(ft=...) raises 'not supported' (the mesh backend landed late)"
-)
-def test_fsdp2_replica_killed_and_restarted_heals():  # pragma: no cover
-    pass
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fsdp2_replica_killed_and_restarted_heals_while_the_survivor_goes_on(tmp_path):
+    # Each replica group is one process running MeshBackend(shard=1): FSDP2 on a 1-rank mesh, gradient
+    # shards averaged across the groups by the all-reduce hook; healing sends the DTensor state dicts.
+    kill_restart_heal(tmp_path, "mesh")
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fsdp2_replica_groups_of_two_processes_train_equal(tmp_path):
+    # 2 replica groups x 2 processes (torchrun, shard=2): each group shards the model over its two ranks,
+    # gradient shards are averaged across groups rank by rank; the groups start from different seeds.
+    from cadence.backends.ft import local_lighthouse
+
+    # Longer collective timeouts than the 1-process scenarios: 4 processes on a loaded machine.
+    common = {"group_size": 2, "min_replica_size": 2, "steps": 6, "backend": "mesh", "shard": 2}
+    common |= {"pg_timeout": 20, "timeout": 30}
+    started: list[Replica] = []
+    try:
+        with local_lighthouse(min_replicas=2) as address:
+            started += [
+                Replica(tmp_path, f"group{i}", nprocs=2, lighthouse=address, replica_id=i, **common) for i in (0, 1)
+            ]
+            for replica in started:
+                assert replica.wait(timeout=150) == 0, replica.tail()
+    finally:
+        for replica in started:
+            replica.kill()
+
+    def steps(name: str, rank: int) -> list[dict]:
+        path = tmp_path / (f"{name}.jsonl" + (f".rank{rank}" if rank else ""))
+        return [json.loads(line) for line in path.read_text().splitlines() if '"step"' in line]
+
+    for rank in (0, 1):
+        ours, theirs = steps("group0", rank), steps("group1", rank)
+        assert [line["step"] for line in ours] == [line["step"] for line in theirs] == [1, 2, 3, 4, 5, 6]
+        assert all(line["dtensor"] and line["participants"] == 2 for line in ours + theirs)
+        assert ours[-1]["heals"] + theirs[-1]["heals"] == 1  # the first quorum made them equal
+        for mine, other in zip(ours, theirs):
+            assert mine["batch"] != other["batch"]  # four data ranks, four different batches
+            assert (mine["digest"], mine["lr"], mine["ema"]) == (other["digest"], other["lr"], other["ema"])
+    assert steps("group0", 0)[-1]["digest"] != steps("group0", 1)[-1]["digest"]  # the ranks hold different shards
+
+
+@needs_torchft
+@pytest.mark.timeout(120)
+def test_fsdp2_mode_refuses_a_checkpoint_callback_naming_the_fix(tmp_path):
+    from cadence.backends.ft import local_lighthouse
+
+    with local_lighthouse(min_replicas=1) as address:
+        replica = Replica(
+            tmp_path,
+            "ckpt",
+            lighthouse=address,
+            replica_id=0,
+            group_size=1,
+            steps=2,
+            backend="mesh",
+            checkpoint=str(tmp_path / "ckpt"),
+        )
+        try:
+            assert replica.wait(timeout=100) != 0
+        finally:
+            replica.kill()
+    error = replica.lines()[-1]
+    assert "the mesh backend and a Checkpoint callback is not supported" in error["error"], replica.tail()
+    assert "use the ddp backend with ft to checkpoint, or drop Checkpoint" in error["error"]

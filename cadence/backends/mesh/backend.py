@@ -71,6 +71,12 @@ class MeshBackend(DDPBackend):
         pipeline_split: `fn(model, parts) -> [[fqn, ...], ...]`: the module
             FQNs of each pipeline stage, instead of `model.pipeline_split(parts)`
             (`config.pipelining.module_fqns_per_model_part` comes first).
+        ft: TorchFT fault tolerance across replica groups (`FTConfig` or a
+            mapping of its fields): this launch is one replica group running
+            FSDP2/HSDP over its replicate and shard axes (always sharded, also
+            on one process); each gradient shard is averaged across replica
+            groups through the Manager (FSDP2's all-reduce hook). Other axes
+            are refused. See docs/fault-tolerance.md.
         **kwargs: `MeshConfig` fields (`shard=2, tensor=2, precision="bf16"`, ...).
 
     Example:
@@ -101,10 +107,14 @@ class MeshBackend(DDPBackend):
         **kwargs: Any,
     ) -> None:
         self.config = config_module.configure(MeshConfig, config, kwargs, "mesh")
-        if ft is not None:  # TorchFT: refused here, before any group or lighthouse (cadence.backends.ft)
-            from cadence.backends.ft import check_mesh
+        self.ft = None
+        if ft is not None:  # TorchFT: axes checked here, before any group or lighthouse (cadence.backends.ft)
+            from cadence.backends.ft import FaultTolerance, check_mesh_axes, make_config
 
-            check_mesh(attrs.asdict(self.config))
+            check_mesh_axes(attrs.asdict(self.config))
+            config = make_config(ft)
+            assert config is not None
+            self.ft = FaultTolerance(config)  # validates replica ids and the lighthouse address
         self.parallelize_fn = parallelize
         self.units_fn = units_fn
         self.process_group_backend = self.config.process_group_backend
@@ -169,6 +179,8 @@ class MeshBackend(DDPBackend):
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self._choose_device()
         self._build_mesh()
+        if self.ft is not None:  # the Manager joins the lighthouse; the first quorum heals the groups equal
+            self.ft.start(engine, self.rank, self.world_size, self.device.type)
         model = engine.model
         if not self.config.cpu_offload:
             model.to(self.device)
@@ -279,9 +291,14 @@ class MeshBackend(DDPBackend):
             self.expert_mesh, self._expert_params = experts.build(
                 model, self.device.type, self.world_size, self.sizes["expert"]
             )
-        self.sharded = self.data_size * self.sizes["context"] > 1
+        # Under ft always sharded, also on one rank: the all-reduce hook across replica groups is FSDP2's.
+        self.sharded = self.data_size * self.sizes["context"] > 1 or self.ft is not None
         if self.sharded:
             self._shard(model, units)
+        if self.ft is not None:
+            hook = self.ft.all_reduce_hook()
+            for module, _ in self._fsdp_modules:
+                module.set_all_reduce_hook(hook)
 
     def _shard(self, model: torch.nn.Module, units: Sequence[torch.nn.Module]) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -410,6 +427,12 @@ class MeshBackend(DDPBackend):
             kernel = context.resolve_kernel(self.config.context_attention, self.device.type)
             plan = attrs.evolve(plan, schedule=context.ContextSchedule(self.context_mesh, kernel, plan))
         return plan
+
+    def data_shard(self, split: str) -> tuple[int, int]:
+        """The data ranks; with ft, training data over the data ranks of every replica group."""
+        if self.ft is not None and split == "train":
+            return self.ft.data_shard(self.data_rank, self.data_size)
+        return self.data_rank, self.data_size
 
     def eval_forward(self, engine: Engine) -> Callable[[Any], tuple[Any, torch.Tensor | None]] | None:
         """With a pipeline axis: each evaluation/prediction batch runs forward stage after stage (see `Pipeline.eval_forward`)."""
@@ -592,6 +615,14 @@ class MeshBackend(DDPBackend):
         Built for `engine` (`DCPStore.for_engine`): it loads into the live
         (sharded) model, optimizers and callback states.
         """
+        if self.ft is not None:
+            from cadence.backends.ft import unsupported
+
+            raise unsupported(
+                "the mesh backend and a Checkpoint callback",
+                "per-replica-group data states are written beside file checkpoints, and the mesh backend writes "
+                "DCP checkpoints; not built yet: use the ddp backend with ft to checkpoint, or drop Checkpoint",
+            )
         from cadence.checkpoint.dcp_store import DCPStore
 
         return DCPStore.for_engine(engine)
@@ -599,7 +630,8 @@ class MeshBackend(DDPBackend):
     def describe(self) -> str:
         axes = " x ".join(f"{n}={s}" for n, s in self.sizes.items() if s > 1) or "one process"
         pg = dist.get_backend(self.group) if self.group is not None and dist.is_initialized() else "uninitialized"
-        return f"mesh(rank={self.rank}/{self.world_size}, {axes}, {pg}, device={self.device})"
+        ft = f", {self.ft.describe()}" if self.ft is not None else ""
+        return f"mesh(rank={self.rank}/{self.world_size}, {axes}, {pg}, device={self.device}{ft})"
 
 
 def _release_groups(modules: Sequence[Any], mesh: Any) -> None:
