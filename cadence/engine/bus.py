@@ -349,15 +349,30 @@ def _event(event: Event | str) -> Event:
         raise ValueError(f"unknown event {event!r}; events are: {names}") from None
 
 
+def order_constraints(callback: Any, attribute: str) -> tuple[str, ...]:
+    """The `state_key`s in a callback's `after` or `before` (`Callback.after`/`.before`).
+
+    Only a string or a tuple/list/set of strings counts: a plain callback
+    object may use the same attribute name for its own data (a tensor kept
+    from before a step), which says nothing about order.
+    """
+    value = getattr(callback, attribute, ())
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list, set, frozenset)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return ()
+
+
 def _resolve_order(entries: list[tuple[Any, int]]) -> list[Any]:
     """Topological order of the after/before constraints, ties by (order, registration)."""
     by_key = {callback_key(c): (c, i) for c, i in entries}
     edges: dict[str, set[str]] = {k: set() for k in by_key}  # key -> keys that must come later
     for key, (callback, _) in by_key.items():
-        for other in getattr(callback, "after", ()) or ():
+        for other in order_constraints(callback, "after"):
             if other in by_key:
                 edges[other].add(key)
-        for other in getattr(callback, "before", ()) or ():
+        for other in order_constraints(callback, "before"):
             if other in by_key:
                 edges[key].add(other)
     indegree = {k: 0 for k in by_key}

@@ -130,12 +130,12 @@ def warn_unsharded(split: str, data: Any, data_size: int) -> None:
 
 def check_order_targets(callbacks: Sequence[Any], key: Any) -> None:
     """Every `after` / `before` name is a registered callback's state_key (checked when a run starts)."""
-    from cadence.engine.bus import OrderError
+    from cadence.engine.bus import OrderError, order_constraints
 
     keys = [key(c) for c in callbacks]
     for callback in callbacks:
         for attribute in ("after", "before"):
-            for name in getattr(callback, attribute, ()) or ():
+            for name in order_constraints(callback, attribute):
                 if name not in keys:
                     close = difflib.get_close_matches(str(name), keys, n=1)
                     hint = f"did you mean {close[0]!r}?" if close else f"registered: {', '.join(keys)}"

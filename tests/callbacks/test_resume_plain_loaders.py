@@ -102,9 +102,8 @@ def test_a_position_saved_for_another_kind_of_train_data_is_refused_or_restarts_
     assert FileStore(tmp_path).read("latest")["data"]["train"][0]["cadence.replay"] == 1
     dataset = workers.NoisyDataset()
     if strict:
-        with pytest.raises(Exception, match="train position was saved for a loader the engine replays") as raised:
+        with pytest.raises(CheckpointError, match="train position was saved for a loader the engine replays"):
             engine(dataset, resume=str(tmp_path / "latest")).fit(steps=0)
-        assert isinstance(raised.value.__cause__, CheckpointError)
         return
     with caplog.at_level(logging.WARNING, logger="cadence.checkpoint"):
         resumed = engine(dataset, resume=str(tmp_path / "latest"), strict=False)

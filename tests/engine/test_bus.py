@@ -309,3 +309,30 @@ def test_instrument_wraps_dispatch_and_unwraps():
     engine.fit(steps=1)
     assert len(entered) == count
     assert calls == [1, 1]
+
+
+def test_after_and_before_that_are_not_state_keys_say_nothing_about_order():
+    """A callback may keep its own data under the names `before`/`after` (a tensor from before a step)."""
+
+    class KeepsTensors(cadence.Callback):
+        def on_step_start(self, engine):
+            self.before = torch.ones(3)
+
+        def on_step_end(self, engine):
+            self.after = torch.zeros(3)
+
+    model = torch.nn.Linear(2, 1)
+    data = [(torch.randn(4, 2), torch.randn(4, 1))] * 2
+    engine = cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        loss_fn=torch.nn.functional.mse_loss,
+        eval_data=data,
+        callbacks=[KeepsTensors()],
+        seed=0,
+    )
+    engine.fit(steps=2)
+    engine.evaluate()  # a new run: its order checks meet the tensors
+    engine.fit(steps=1)
+    assert engine.state.step == 3
