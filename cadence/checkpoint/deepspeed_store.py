@@ -34,15 +34,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from cadence.checkpoint import file_io
+from cadence.checkpoint import file_io, folders
+from cadence.checkpoint.folders import MANIFEST
 from cadence.checkpoint.payload import RESTORED_BY_STORE
 from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore
 
-MANIFEST = "manifest.json"
 #: The client-state key Cadence's payload travels under in DeepSpeed's model-states file.
 CLIENT_KEY = "cadence"
 ALGORITHM = "xxh3_64"
-TEMP_PREFIXES = (".tmp-", ".old-", ".trash-")
 _CHUNK = 8 << 20
 _UNIVERSAL = (
     "convert it with DeepSpeed's universal checkpoint conversion (python -m deepspeed.checkpoint.ds_to_universal "
@@ -232,44 +231,26 @@ class DeepSpeedStore(CheckpointStore):
 
     def sweep(self) -> list[str]:
         """Remove folders interrupted writes left (main rank only)."""
-        directory = self._folder()
-        if not self._main or not directory.is_dir():
+        if not self._main:
             return []
-        removed = []
-        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-            if entry.name.startswith(TEMP_PREFIXES) and entry.is_dir():
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(entry.name)
-        return removed
+        return folders.sweep(self._folder())
 
     # -- reading ------------------------------------------------------------------------
 
     def names(self) -> list[str]:
-        directory = self._folder()
-        if not directory.is_dir():
-            return []
-        return sorted(
-            e.name
-            for e in os.scandir(directory)
-            if not e.name.startswith(".") and e.is_dir() and os.path.exists(os.path.join(e.path, MANIFEST))
-        )
+        return folders.names(self._folder())
 
     def exists(self, name: str) -> bool:
-        return (self.path(name) / MANIFEST).is_file()
+        return folders.exists(self.path(name))
 
     def locate(self, path: str | os.PathLike[str]) -> tuple[DeepSpeedStore, str]:
-        p = Path(path).expanduser().absolute()
-        if not p.exists():
-            raise CheckpointError("no such file or folder; check the path", path=p)
-        if p.is_dir() and (p / MANIFEST).exists():
-            return self.at(p.parent), p.name  # type: ignore[return-value]
-        if p.is_dir() and (p / "latest").is_dir():
-            return self.at(p), "latest"  # type: ignore[return-value]
-        raise CheckpointError(
-            "not a DeepSpeed checkpoint of Cadence: expected a checkpoint folder (with manifest.json) or a folder "
-            "holding 'latest'",
-            path=p,
+        directory, name = folders.locate(
+            path,
+            lambda f: f in ("client_state.pt", "zero_to_fp32.py") or f.startswith("mp_rank_"),
+            "not a complete checkpoint: manifest.json is missing (an interrupted write or a damaged copy); it is "
+            "never loaded; use another checkpoint",
         )
+        return self.at(directory), name  # type: ignore[return-value]
 
     def manifest(self, name: str) -> dict[str, Any]:
         folder = self.path(name)

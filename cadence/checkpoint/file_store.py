@@ -35,12 +35,11 @@ from typing import Any
 
 import torch
 
-from cadence.checkpoint import file_io, file_read
+from cadence.checkpoint import file_io, file_read, folders
+from cadence.checkpoint.folders import MANIFEST
 from cadence.checkpoint.store import FORMAT, CheckpointError, CheckpointStore
 
-MANIFEST = "manifest.json"
 PAYLOAD = "payload.pt"
-TEMP_PREFIXES = (".tmp-", ".old-", ".trash-")
 
 
 class FileStore(CheckpointStore):
@@ -164,53 +163,19 @@ class FileStore(CheckpointStore):
         self._reaper.wait()
 
     def sweep(self) -> list[str]:
-        directory = self._folder()
-        if not directory.is_dir():
-            return []
-        removed = []
-        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-            if not entry.name.startswith(TEMP_PREFIXES) or not entry.is_dir():
-                continue
-            prefix, _, rest = entry.name[1:].partition("-")
-            name, _, owner = rest.partition(".")
-            pid = owner.partition(".")[0]
-            if pid.isdigit() and int(pid) != os.getpid() and file_io.alive(int(pid)):
-                continue  # another live process is writing it
-            if prefix == "old" and not (directory / name).exists() and (Path(entry.path) / MANIFEST).exists():
-                os.rename(entry.path, directory / name)  # a commit without exchange died between its renames
-                continue
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.name)
-        return removed
+        return folders.sweep(self._folder())
 
     # -- reading ------------------------------------------------------------------------
 
     def names(self) -> list[str]:
-        directory = self._folder()
-        if not directory.is_dir():
-            return []
-        return sorted(
-            e.name
-            for e in os.scandir(directory)
-            if not e.name.startswith(".") and e.is_dir() and os.path.exists(os.path.join(e.path, MANIFEST))
-        )
+        return folders.names(self._folder())
 
     def exists(self, name: str) -> bool:
-        return (self.path(name) / MANIFEST).is_file()
+        return folders.exists(self.path(name))
 
     def locate(self, path: str | os.PathLike[str]) -> tuple[FileStore, str]:
-        p = Path(path).expanduser().absolute()
-        if not p.exists():
-            raise CheckpointError("no such file or folder; check the path", path=p)
-        if p.is_dir() and (p / MANIFEST).exists():
-            return self.at(p.parent), p.name  # type: ignore[return-value]
-        if p.is_dir() and (p / "latest").is_dir():
-            return self.at(p), "latest"  # type: ignore[return-value]
-        if p.is_dir() and any(f.name == PAYLOAD or f.name.endswith(".bin") for f in p.iterdir()):
-            raise CheckpointError(_NO_MANIFEST, path=p)
-        raise CheckpointError(
-            "not a checkpoint: expected a checkpoint folder (with manifest.json) or a folder holding 'latest'", path=p
-        )
+        directory, name = folders.locate(path, lambda f: f == PAYLOAD or f.endswith(".bin"), _NO_MANIFEST)
+        return self.at(directory), name  # type: ignore[return-value]
 
     def manifest(self, name: str) -> dict[str, Any]:
         folder = self.path(name)
