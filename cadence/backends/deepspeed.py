@@ -234,6 +234,7 @@ class DeepSpeedBackend(DDPBackend):
         for name in self._env_set:
             os.environ.pop(name, None)
         self._env_set = []
+        _restore_linear()
         if self.created_group:
             # The group is destroyed below: DeepSpeed's module-level handles on it (its comm
             # backend, the groups it derived) go back to what they were, so that a later engine
@@ -604,3 +605,21 @@ def clear_accumulated(ds: Any, stage: int) -> None:
     ds.zero_grad()
     if hasattr(ds, "_unmanaged_backward_count"):
         ds._unmanaged_backward_count = 0
+
+
+def _restore_linear() -> None:
+    """Put back `torch.nn.functional.linear` where ZeRO-3 replaced it for the whole process.
+
+    DeepSpeed swaps in its memory-efficient linear at ZeRO-3 ("This will persist
+    unless manually reset"): left there, every later model in the process runs
+    through it, and a wrong input then fails with its AttributeError instead of
+    torch's TypeError.
+    """
+    import sys
+
+    partition = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    if partition is None:
+        return
+    original = getattr(partition.InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is getattr(partition, "zero3_linear_wrap", None):
+        torch.nn.functional.linear = original

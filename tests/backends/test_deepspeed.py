@@ -512,8 +512,9 @@ def test_the_harness_passes_builtin_callbacks(stage, name, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_one_process_without_a_launcher_leaves_no_launcher_variables_behind():
-    """The variables DeepSpeed needs in a lone process are taken back at close: a later engine is not fooled."""
+def test_one_process_without_a_launcher_leaves_nothing_behind():
+    """What a lone ZeRO-3 process changes process-wide is taken back at close: the launcher variables
+    DeepSpeed needs, and ZeRO-3's replacement of `torch.nn.functional.linear`."""
     script = textwrap.dedent(
         """
         import os, torch, cadence
@@ -521,18 +522,19 @@ def test_one_process_without_a_launcher_leaves_no_launcher_variables_behind():
         from tests.conftest import tiny_dataset, tiny_model
         torch.set_num_threads(1)
         before = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        linear = torch.nn.functional.linear
         model = tiny_model()
         with cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(16),
-                            loss_fn=torch.nn.functional.cross_entropy, backend=DeepSpeedBackend(zero_stage=0),
+                            loss_fn=torch.nn.functional.cross_entropy, backend=DeepSpeedBackend(zero_stage=3),
                             seed=0) as engine:
             engine.fit(steps=1)
             during = os.environ.get("WORLD_SIZE")
         after = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-        print("RESULT", during, before == after, after)
+        print("RESULT", during, before == after, torch.nn.functional.linear is linear, after)
         """
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=110)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT")), done.stdout + done.stderr)
-    assert line.startswith("RESULT 1 True"), line
+    assert line.startswith("RESULT 1 True True"), line
