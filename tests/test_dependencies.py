@@ -42,6 +42,12 @@ WITHOUT_NUMPY = textwrap.dedent(
         with engine(callbacks=[Checkpoint(resume=str(first.run_dir / "checkpoints" / "latest"))]) as second:
             second.fit(steps=1)
         assert second.state.step == 4, second.state.step
+        # An async save writes from its staging image (its own write path).
+        with engine(callbacks=[Checkpoint(dir="async", async_mode="async")]) as third:
+            third.fit(steps=3)
+        with engine(callbacks=[Checkpoint(dir="async", resume="async/latest")]) as fourth:
+            fourth.fit(steps=1)
+        assert fourth.state.step == 4, fourth.state.step
         assert cadence.launch(two_ranks, nprocs=2, start_method="fork", timeout=60) == 1
         print("ok")
     """

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import xxhash
 
+from cadence.checkpoint import file_io
+
 ALGORITHM = "xxh3-64"
 TENSOR = "__cadence_dcp__"  # {TENSOR: key}: a tensor saved through DCP under `key`
 SECTIONS = ("model", "optimizers", "callbacks")  # top-level entries whose tensors go through DCP
@@ -140,7 +142,7 @@ class _DigestPickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor) and not _is_dtensor(obj):
             data = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            return ("tensor", str(obj.dtype), tuple(obj.shape), xxhash.xxh3_64_hexdigest(data.numpy().tobytes()))
+            return ("tensor", str(obj.dtype), tuple(obj.shape), xxhash.xxh3_64_hexdigest(bytes(file_io.memory(data))))
         return None
 
 
