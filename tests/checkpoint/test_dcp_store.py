@@ -263,7 +263,10 @@ def test_ddp_dcp_resume_is_bitwise_and_auto_resume_falls_back_over_damage(tmp_pa
     assert sorted(os.listdir(directory / "latest")) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "objects-00001.pt", "objects.pt",
     ]  # fmt: skip
-    assert sorted(torch.load(directory / "latest" / "objects-00001.pt", weights_only=True)) == ["engine", "meta"]
+    # Rank 1's own file holds the entries that differ from rank 0's: its engine state, and `meta` when the
+    # two ranks' clocks (`meta.time`) read differently, which they almost always but not always do.
+    own = set(torch.load(directory / "latest" / "objects-00001.pt", weights_only=True))
+    assert "engine" in own and own <= {"engine", "meta"}, own
     copies = []
     for how in DAMAGES if async_mode == "disabled" else []:
         copy = tmp_path / how.replace(" ", "-")
