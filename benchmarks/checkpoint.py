@@ -5,6 +5,7 @@
     python benchmarks/checkpoint.py --params 25 --repeats 3 # ~300 MB, a quicker run
     python benchmarks/checkpoint.py --params 5 --repeats 2  # a smoke test
     python benchmarks/checkpoint.py --drop-caches           # also drop the whole page cache before cold reads (root)
+    python benchmarks/checkpoint.py --full-speed-too        # also async writes at full speed (async_write_share=1)
 
 --dcp adds torch.distributed.checkpoint's async_save, --buffered-too the async saves written
 through the page cache, as information rows (each costs about as long as the async part).
@@ -89,8 +90,11 @@ def build_model(params_millions: float) -> tuple[torch.nn.Module, torch.optim.Op
     return model, optimizer
 
 
-def build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, async_mode: str):
-    checkpoint = Checkpoint(dir=str(directory), async_mode=async_mode, interval=0, save_on_fit_end=False)
+def build(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, async_mode: str, share: float | None = None
+):
+    shared = {} if share is None else {"async_write_share": share}
+    checkpoint = Checkpoint(dir=str(directory), async_mode=async_mode, interval=0, save_on_fit_end=False, **shared)
     engine = cadence.Engine(model, optimizer, callbacks=[checkpoint], seed=0, backend="local")
     checkpoint.on_setup(engine)  # as the engine's first run would: the store, the sweep
     checkpoint.on_fit_start(engine)  # starts the async writer (and arms the staging reserve at the first step end)
@@ -143,6 +147,12 @@ def main() -> None:
     parser.add_argument(
         "--buffered-too", action="store_true", help="also async saves written through the page cache (info)"
     )
+    parser.add_argument(
+        "--share", type=float, default=None, help="Checkpoint(async_write_share=...) (default: the config's)"
+    )
+    parser.add_argument(
+        "--full-speed-too", action="store_true", help="also async saves written at full speed, share 1 (info)"
+    )
     args = parser.parse_args()
     if any(os.environ.get(k) != v for k, v in FIXED_MALLOC.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **FIXED_MALLOC})
@@ -173,10 +183,14 @@ def run(root: Path, source: Path, args: argparse.Namespace) -> None:
     keys += ("async", "first", "first_unreserved", "normal_step", "step_ratio", "dcp_blocked", "dcp_step_ratio", "hash")
     keys += ("buffered_async", "buffered_first", "buffered_first_unreserved", "buffered_normal_step")
     keys += ("buffered_step_ratio", "writer_cpu", "buffered_writer_cpu", "reserve", "buffered_reserve")
+    keys += ("write_s", "buffered_write_s", "full_async", "full_normal_step", "full_step_ratio", "full_write_s")
+    keys += ("full_first", "full_first_unreserved", "full_writer_cpu", "full_reserve")
     results: dict[str, list[float]] = {k: [] for k in keys}
     model, optimizer = build_model(args.params)
     size = measure_sync(model, optimizer, root, source, args, results)
     measure_async(model, optimizer, root, args, results)
+    if args.full_speed_too:
+        measure_async(model, optimizer, root, args, results, prefix="full_", share=1.0)
     if args.buffered_too:
         direct, direct_io.O_DIRECT = direct_io.O_DIRECT, 0  # the staged files written through the page cache
         try:
@@ -217,6 +231,12 @@ def run(root: Path, source: Path, args: argparse.Namespace) -> None:
         f"{'steps during an async write':27} {'':7} {'':6}   {'the steps just before':27} {step:7.3f} {'':6}   "
         f"{spread(results['step_ratio']):17} <= 1.10"
     )
+    print(f"{'':27} {'':7} {'':6}   the background write took {spread(results['write_s'])} s (to the end of a step)")
+    if results["full_step_ratio"]:
+        print(
+            f"{'... written at full speed':27} {'':7} {'':6}   {'the steps just before':27} {'':7} {'':6}   "
+            f"{spread(results['full_step_ratio']):17} (info, share 1; took {spread(results['full_write_s'])} s)"
+        )
     if results["buffered_step_ratio"]:
         print(
             f"{'... written buffered':27} {'':7} {'':6}   {'the steps just before':27} {'':7} {'':6}   "
@@ -348,14 +368,17 @@ def writing(checkpoint: Checkpoint) -> Callable[[], bool]:
     return lambda: not checkpoint.wait(0)
 
 
-def measure_async(model, optimizer, root: Path, args: argparse.Namespace, results, prefix: str = "") -> None:
+def measure_async(
+    model, optimizer, root: Path, args: argparse.Namespace, results, prefix: str = "", share: float | None = None
+) -> None:
     """Per repeat a fresh run (engine, callback, writer): its first save, then two more, each timed against steps."""
+    share = args.share if share is None else share
     step = trainer(model, optimizer)
     for _ in range(2):
         step()  # warm-up
     for repeat in range(args.repeats):
         folder = root / f"async-{repeat}"
-        engine, checkpoint = build(model, optimizer, folder, "async")
+        engine, checkpoint = build(model, optimizer, folder, "async", share)
         step()
         engine.fire(cadence.Event.ON_STEP_END)  # as Engine.fit: the first step end reserves the staging
         # Training goes on while a low-priority thread faults the reserve in; a run's first save usually comes
@@ -368,8 +391,10 @@ def measure_async(model, optimizer, root: Path, args: argparse.Namespace, result
             quiesce(root, checkpoint)
             normal = statistics.median(step() for _ in range(NORMAL_STEPS))
             engine.state.step += 1
+            start = time.perf_counter()
             blocked = timed(saver(engine, checkpoint))
             during = steps_while(step, writing(checkpoint))
+            results[prefix + "write_s"].append(time.perf_counter() - start)  # to a step's end: a bound
             checkpoint.wait()
             results[prefix + ("first" if save == 0 else "async")].append(blocked)
             results[prefix + "normal_step"].append(normal)
@@ -387,7 +412,7 @@ def measure_async(model, optimizer, root: Path, args: argparse.Namespace, result
         results[prefix + "writer_cpu"].append((cpu_seconds() - before) / (checkpoint_bytes(checkpoint) / 1e9))
         checkpoint.on_teardown(engine)
         # For information: the first save of a run that never reached a step end (nothing reserved).
-        engine, checkpoint = build(model, optimizer, folder, "async")
+        engine, checkpoint = build(model, optimizer, folder, "async", share)
         engine.state.step += 1000
         quiesce(root, checkpoint)
         results[prefix + "first_unreserved"].append(timed(saver(engine, checkpoint)))

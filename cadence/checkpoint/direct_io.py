@@ -5,7 +5,8 @@ where the kernel offers them; `Prefault` faults such memory in from other thread
 its use (`MADV_POPULATE_WRITE`: one call per piece instead of one page fault per page);
 `cached_fraction` says how much of a file is in the page cache (`mincore`).
 `image_empty` gives memory that holds files' bytes exactly as they will be on the disk
-(the async writer's staging), and `write_image` writes such a file image with direct I/O.
+(the async writer's staging), and `write_image` writes such a file image with direct I/O,
+at the `Pace` of the thread that writes (the async writer's: a share of the time).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import errno
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +34,41 @@ _WRITE = 32 << 20  # bytes per direct write: few Python iterations, several requ
 DIRECT_MIN = 8 << 20  # smaller images are written buffered: a direct write waits on the device, for little CPU saved
 _images: dict[int, int] = {}  # start address -> length of the live buffers from `image_empty`
 _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
+_pacing = threading.local()  # the `Pace` of the thread that writes, if any
+
+
+class Pace:
+    """How much of the time a background write keeps the disk busy while nobody waits for it.
+
+    After each direct write of `_WRITE` bytes that took `t` seconds, the writing
+    thread rests `t * (1 / share - 1)` seconds, unless `hurry` is set (the loop
+    waits for the write: a drain, a teardown, a save with no free staging
+    buffer), which ends the rest at once. A durable write moves every byte
+    through the host while the training step runs; spread over a longer time,
+    it takes less from each step (`benchmarks/checkpoint.py`, "steps during an
+    async write").
+    """
+
+    def __init__(self, share: float) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"Pace: share must be in (0, 1], got {share!r}")
+        self.share = share
+        self.hurry = threading.Event()
+
+    def rest(self, busy: float) -> None:
+        if self.share < 1 and not self.hurry.is_set():
+            self.hurry.wait(busy * (1 / self.share - 1))
+
+
+@contextlib.contextmanager
+def paced(pace: Pace | None) -> Any:
+    """Direct writes of this thread (`write_image`) go at `pace` inside the block."""
+    before = getattr(_pacing, "pace", None)
+    _pacing.pace = pace
+    try:
+        yield
+    finally:
+        _pacing.pace = before
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -108,9 +145,11 @@ def write_image(path: Any, fd: int, image: torch.Tensor, size: int, written: Cal
     # The image's bytes without numpy (not a declared dependency): a ctypes view of its memory.
     count = image.numel() * image.element_size()
     view = memoryview((ctypes.c_ubyte * count).from_address(image.data_ptr())).cast("B") if count else memoryview(b"")
+    pace: Pace | None = getattr(_pacing, "pace", None)
     try:
         position = 0
         while position < len(view):
+            start = time.perf_counter()
             try:
                 position += os.pwrite(direct if direct >= 0 else fd, view[position : position + _WRITE], position)
             except OSError as exc:
@@ -120,6 +159,8 @@ def write_image(path: Any, fd: int, image: torch.Tensor, size: int, written: Cal
                 direct = -1
                 continue
             written(min(position, size))
+            if pace is not None and position < len(view):
+                pace.rest(time.perf_counter() - start)
     finally:
         if direct >= 0:
             os.close(direct)

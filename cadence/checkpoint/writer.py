@@ -246,11 +246,17 @@ class AsyncWriter:
             that only adds names joins the waiting job. False: every job is
             committed as submitted, so the jobs do not depend on the thread's
             timing (the same on every rank of a collective store).
+        share: the share of the time the thread's direct writes keep the disk
+            busy while nobody waits for them (`direct_io.Pace`); 1: full speed.
+            Whoever waits for the thread (`drain`, `close`, a `submit` that
+            must wait for a job to be taken) makes it write at full speed.
     """
 
-    def __init__(self, commit: Callable[[Job], None], supersede: bool = True) -> None:
+    def __init__(self, commit: Callable[[Job], None], supersede: bool = True, share: float = 1.0) -> None:
         self._commit = commit
         self.supersede = supersede
+        self._pace = direct_io.Pace(share)
+        self._waiters = 0  # threads waiting for the writer: it writes at full speed meanwhile
         self._cond = threading.Condition()
         self._queued: Job | None = None
         self._inflight: Job | None = None
@@ -291,8 +297,8 @@ class AsyncWriter:
                 return
             if queued is not None and queued.droppable and job.primary == "latest" and self.supersede:
                 staging, self._queued = queued.staging, None  # superseded by a newer save
-            while self._queued is not None:
-                self._cond.wait()
+            if self._queued is not None:
+                self._wait_for(lambda: self._queued is None, None)
             if staging is None and job.payload is not None:
                 free = [s for s in self._stagings if not s.busy]
                 staging = max(free, key=lambda s: s.nbytes)  # the one with buffers already allocated
@@ -320,10 +326,13 @@ class AsyncWriter:
                     return
                 job, self._queued = self._queued, None
                 self._inflight = job
+                if not self._waiters:
+                    self._pace.hurry.clear()
                 self._cond.notify_all()
             error: BaseException | None = None
             try:
-                self._commit(job)
+                with direct_io.paced(self._pace):
+                    self._commit(job)
             except BaseException as exc:
                 error = exc
             with self._cond:
@@ -344,7 +353,18 @@ class AsyncWriter:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job is committed (or failed); False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._queued is None and self._inflight is None, timeout)
+            return self._wait_for(lambda: self._queued is None and self._inflight is None, timeout)
+
+    def _wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """`self._cond.wait_for`, held: the write in flight goes at full speed while someone waits."""
+        if timeout is not None and timeout <= 0:  # a look, not a wait
+            return predicate()
+        self._waiters += 1
+        self._pace.hurry.set()
+        try:
+            return self._cond.wait_for(predicate, timeout)
+        finally:
+            self._waiters -= 1
 
     def close(self, timeout: float | None = None) -> bool:
         """Drain, then stop the thread; False if writes were still running after `timeout` s."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 from cadence.checkpoint import direct_io, file_io
 from cadence.checkpoint.file_store import FileStore
-from cadence.checkpoint.writer import Staging, staged_size
+from cadence.checkpoint.writer import AsyncWriter, Job, Staging, staged_size
 from tests.checkpoint.test_file_store import assert_same, payload
 
 pytestmark = pytest.mark.timeout(60)
@@ -136,3 +138,54 @@ def test_a_payload_that_outgrows_its_reserve_gets_one_more_buffer(tmp_path: Path
     store.write("original", original)
     same_files(tmp_path / "staged", tmp_path / "original")
     staging.close()
+
+
+# -- pacing: a background write rests between its writes, and stops resting when someone waits ----------
+
+
+def test_a_paced_write_rests_between_writes_and_hurries_when_waited_for(tmp_path: Path) -> None:
+    image = direct_io.image_empty(3 * direct_io._WRITE)
+    image.fill_(7)
+    size = image.numel()
+    pace = direct_io.Pace(1e-6)  # a rest of a million times each write: it would never end on its own
+    ends: list[int] = []
+
+    def write() -> None:
+        fd = os.open(tmp_path / "paced.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            with direct_io.paced(pace):
+                direct_io.write_image(tmp_path / "paced.bin", fd, image, size, ends.append)
+        finally:
+            os.close(fd)
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not ends and time.monotonic() < deadline:
+        time.sleep(0.01)
+    thread.join(0.5)
+    assert thread.is_alive() and ends == [direct_io._WRITE]  # resting after its first write
+    pace.hurry.set()  # the loop waits for it now: the rest ends and the rest is written at full speed
+    thread.join(20)
+    assert not thread.is_alive() and ends[-1] == size
+    assert (tmp_path / "paced.bin").read_bytes() == bytes([7]) * size
+    with direct_io.paced(None):  # outside the writer's thread, and in sync saves: no pace at all
+        assert getattr(direct_io._pacing, "pace", None) is None
+    with pytest.raises(ValueError, match="share must be in"):
+        direct_io.Pace(0)
+
+
+def test_the_writer_writes_at_full_speed_while_it_is_drained(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    writer = AsyncWriter(lambda job: store.write(job.primary, job.payload), share=1e-6)
+    writer.start()
+    big = big_payload()
+    big["model"]["big"] = torch.randn(10 << 20)  # 40 MB: two direct writes, a rest after the first
+    writer.submit(Job(big, "latest", (), step=1, epoch=0, reason="test"))
+    time.sleep(0.5)
+    assert writer.pending() and not writer.drain(0)  # a look does not hurry it: still resting
+    assert writer.drain(timeout=30)  # a wait does
+    assert writer.close(timeout=30)
+    done, error, _ = writer.take()
+    assert error is None and [job.step for job in done] == [1]
+    assert_same(store.read("latest"), big_payload() | {"model": big["model"]})
