@@ -334,6 +334,29 @@ class FaultTolerance:
             return bool(engine.backend.broadcast_object(mine, src=0, domain="optimizer"))
         return mine
 
+    # -- the Manager's own counters in checkpoints ----------------------------------------------
+
+    def manager_state(self) -> dict[str, int]:
+        """The Manager's step and committed batches (`Manager.state_dict`): saved in the run's checkpoint."""
+        return {} if self.manager is None else {k: int(v) for k, v in self.manager.state_dict().items()}
+
+    def load_manager_state(self, state: Mapping[str, Any] | None) -> None:
+        """Put the Manager's step back from a checkpoint (before the first quorum of a fit).
+
+        The quorum heals a group whose Manager step is behind the others'
+        (and, with every step at 0, all groups from one at the first quorum:
+        a healing group's gradients do not count in that step). Groups that
+        restore the same checkpoint get the same step back, so none heals and
+        the resumed run repeats the uninterrupted one; a group restored from an
+        older checkpoint than the live groups' state is behind and heals.
+        """
+        if self.manager is None or not state:
+            return
+        if self._quorum_pending:
+            logger.warning("ft: a checkpoint was restored while a quorum was pending; the Manager's step is kept")
+            return
+        self.manager.load_state_dict({"step": int(state["step"]), "batches_committed": int(state["batches_committed"])})
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self, engine: Engine, group_rank: int, group_world: int, device_type: str) -> None:

@@ -36,6 +36,8 @@ from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, Checkpoin
 
 logger = logging.getLogger("cadence.checkpoint")
 
+#: The run checkpoint's entry for the TorchFT Manager's own counters (`Manager.state_dict`).
+FT_KEY = "ft"
 #: Engine counters that belong to a replica group's position in its own data.
 DATA_COUNTERS = ("epoch", "batch_in_epoch", "samples_seen", "tokens_seen")
 
@@ -80,6 +82,11 @@ class ReplicaStore(CheckpointStore):
             `group_size * group ranks`: the ddp backend, whose `data_rank` is
             the job-wide one); the mesh backend indexes inside the group
             (`(0, data_size)`).
+        ft: the group's `FaultTolerance` (`manager_state`/`load_manager_state`):
+            the run's checkpoint carries its Manager's step (`"ft"`), which a
+            full read puts back (TorchFT's own advice: a group restored to the
+            same step as the others does not heal, see
+            `FaultTolerance.load_manager_state`). None: not saved.
     """
 
     def __init__(
@@ -90,10 +97,11 @@ class ReplicaStore(CheckpointStore):
         *,
         main: bool = True,
         positions: tuple[int, int] | None = None,
+        ft: Any = None,
     ) -> None:
         super().__init__(inner.directory)
         self.inner, self.replica_id, self.group_size = inner, replica_id, group_size
-        self.main, self.positions = main, positions
+        self.main, self.positions, self.ft = main, positions, ft
         self.kind = inner.kind  # type: ignore[misc]
         self.collective = inner.collective  # type: ignore[misc]
         self.background_safe = inner.background_safe  # type: ignore[misc]
@@ -119,8 +127,13 @@ class ReplicaStore(CheckpointStore):
 
     # -- writing ----------------------------------------------------------------------------------
 
+    def _with_manager(self, payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        if self.ft is None or "engine" not in payload:
+            return payload
+        return {**payload, FT_KEY: self.ft.manager_state()}
+
     def write(self, name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
-        manifest = self.inner.write(name, payload)
+        manifest = self.inner.write(name, self._with_manager(payload))
         if name == "latest":
             self.write_replica(name, payload)
         return manifest
@@ -141,9 +154,10 @@ class ReplicaStore(CheckpointStore):
         write_async = getattr(self.inner, "write_async", None)
         if write_async is None:
             raise TypeError(f"{type(self.inner).__name__} has no write_async: it does not stage its own saves")
+        state = replica_payload(payload, self.replica_id)
+        payload = self._with_manager(payload)
         if name != "latest":
             return write_async(name, payload, after_commit=after_commit)
-        state = replica_payload(payload, self.replica_id)
 
         def committed(manifest: dict[str, Any]) -> None:
             # On the inner store's main rank (DCP: group rank 0), in its commit thread.
@@ -186,7 +200,10 @@ class ReplicaStore(CheckpointStore):
         payload = self.inner.read(name, wanted)
         if wanted is not None and not {"engine", "data", "rng"} & set(wanted):
             return payload
-        return self.with_own_data(payload, source=str(self.inner.path(name)))
+        result = self.with_own_data(payload, source=str(self.inner.path(name)))
+        if self.ft is not None and "engine" in payload:  # a full read: a restore follows
+            self.ft.load_manager_state(payload.get(FT_KEY))
+        return result
 
     def read_replica(self) -> dict[str, Any] | None:
         """This group's saved data state, or None when there is none (a damaged one is logged and ignored)."""

@@ -628,8 +628,9 @@ class MeshBackend(DDPBackend):
             return store
         from cadence.checkpoint.replica import ReplicaStore
 
+        ft = self.ft
         return ReplicaStore(
-            store, self.ft.replica_id, self.ft.group_size, main=self.rank == 0, positions=(0, self.data_size)
+            store, ft.replica_id, ft.group_size, main=self.rank == 0, positions=(0, self.data_size), ft=ft
         )
 
     def describe(self) -> str:
