@@ -28,8 +28,12 @@ What Cadence adds around TorchFT (see docs/fault-tolerance.md):
   group rank`, `data_size = group_size * W`); metrics, evaluation and control
   requests stay inside the group (no collective crosses groups but TorchFT's).
 - Checkpoints: the group with participating rank 0 in the last quorum writes the
-  run's checkpoint (decided at each save); every group writes its own data
-  position.
+  run's checkpoint (decided at each save, the same on every rank of a group);
+  every group writes its own data position (`cadence.checkpoint.replica`).
+  The ddp backend writes file checkpoints; the mesh backend DCP checkpoints,
+  every rank of the writing group its shards, on a gloo group of its own
+  replica group (each group is its own torch world: no checkpoint collective
+  crosses groups).
 
 The lighthouse: `torchft_lighthouse --bind [::]:29510 --min_replicas N` in
 production (`lighthouse="http://host:29510"` or `TORCHFT_LIGHTHOUSE`);
@@ -313,11 +317,45 @@ class FaultTolerance:
     def writes_checkpoint(self) -> bool:
         """Whether this group writes the run's checkpoint now: participating rank 0 of the last quorum.
 
-        Before the first quorum, replica group 0 does.
+        Before the first quorum, replica group 0 does. The answer is the same
+        on every rank of the group: with several ranks (FSDP2 inside the
+        group), group rank 0's answer is broadcast over the group's own
+        process group, so a collective store's write (DCP: every rank of the
+        group writes its shards) is entered by all of the group's ranks or by
+        none. A collective then: every rank of the group asks it at the same
+        save (the `Checkpoint` callback does, at each save).
         """
         if self.manager is None or self.participants == 0:
-            return self.replica_id == 0
-        return self.participating_rank == 0
+            mine = self.replica_id == 0
+        else:
+            mine = self.participating_rank == 0
+        engine = self._engine
+        if self.group_world > 1 and engine is not None:
+            return bool(engine.backend.broadcast_object(mine, src=0, domain="optimizer"))
+        return mine
+
+    # -- the Manager's own counters in checkpoints ----------------------------------------------
+
+    def manager_state(self) -> dict[str, int]:
+        """The Manager's step and committed batches (`Manager.state_dict`): saved in the run's checkpoint."""
+        return {} if self.manager is None else {k: int(v) for k, v in self.manager.state_dict().items()}
+
+    def load_manager_state(self, state: Mapping[str, Any] | None) -> None:
+        """Put the Manager's step back from a checkpoint (before the first quorum of a fit).
+
+        The quorum heals a group whose Manager step is behind the others'
+        (and, with every step at 0, all groups from one at the first quorum:
+        a healing group's gradients do not count in that step). Groups that
+        restore the same checkpoint get the same step back, so none heals and
+        the resumed run repeats the uninterrupted one; a group restored from an
+        older checkpoint than the live groups' state is behind and heals.
+        """
+        if self.manager is None or not state:
+            return
+        if self._quorum_pending:
+            logger.warning("ft: a checkpoint was restored while a quorum was pending; the Manager's step is kept")
+            return
+        self.manager.load_state_dict({"step": int(state["step"]), "batches_committed": int(state["batches_committed"])})
 
     # -- lifecycle -----------------------------------------------------------------------------
 

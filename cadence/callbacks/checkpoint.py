@@ -500,6 +500,7 @@ class Checkpoint(Callback):
         backend = engine.backend
         done: list[Job] = []
         error: BaseException | None = None
+        full = True
         with engine.long_operation("checkpoint save"):
             try:
                 # Decided at each save: under TorchFT the writing replica group can change.
@@ -514,7 +515,10 @@ class Checkpoint(Callback):
                         self._dispatch(Job(best_payload, "best", (), state.step, state.epoch, reason), done)
             except Exception as exc:
                 error = exc
-            if self._writer is None and not self._store_async and backend.world_size > 1:
+            # Written in the loop: sync saves, and under TorchFT a group's own data state when the
+            # store stages its async saves itself (`_submit_to_store`): every rank learns the outcome.
+            in_loop = self._writer is None and (not self._store_async or not full)
+            if in_loop and backend.world_size > 1:
                 backend.barrier(self.config.barrier_timeout)  # the others wait for the main process
                 status = None if error is None else f"{type(error).__name__}: {error}"
                 if self._collective:  # every rank wrote: any of them may have failed
@@ -578,6 +582,9 @@ class Checkpoint(Callback):
         collectives); the main rank names the checkpoint right after its
         commit (no collective there), before the next one can commit.
         """
+        if not job.full:  # TorchFT: another replica group writes the checkpoint; this group's data state now
+            self._commit(job)
+            return
         if job.payload is None:  # only new names for the state last saved: after its commit
             for handle, _ in self._handles:
                 handle.wait()

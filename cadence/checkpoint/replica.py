@@ -12,13 +12,23 @@ On restore the group's own data state wins over the positions in the run's
 checkpoint (which are the writing group's): every group goes on with its own
 share of the data where it was. A group without a saved data state replays
 its share up to the checkpoint's batch. See docs/fault-tolerance.md.
+
+With a collective inner store (DCP: the mesh backend, FSDP2 inside each
+group) every rank of the writing group writes the run's checkpoint together
+(the store's collectives run on the group's own process group), while the
+group's data state is one file written by the group's main rank (`main`): the
+train positions in a payload are already gathered over the group's data ranks
+(`build_payload`), one entry per data rank, so one file holds the positions of
+every data rank of the group and commits them together. Asynchronous saves go
+through the inner store's `write_async` (`stages_itself`); the writing group's
+data state is then written after the run's checkpoint is committed.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +36,8 @@ from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, Checkpoin
 
 logger = logging.getLogger("cadence.checkpoint")
 
+#: The run checkpoint's entry for the TorchFT Manager's own counters (`Manager.state_dict`).
+FT_KEY = "ft"
 #: Engine counters that belong to a replica group's position in its own data.
 DATA_COUNTERS = ("epoch", "batch_in_epoch", "samples_seen", "tokens_seen")
 
@@ -43,6 +55,7 @@ def replica_payload(payload: Mapping[str, Any], replica_id: int) -> dict[str, An
             "batch_in_epoch": engine.get("batch_in_epoch"),
             "replica_id": replica_id,
             "group_world": len(rng),
+            "data_ranks": len((payload.get("data") or {}).get("train") or ()),
         },
         "engine": {name: engine[name] for name in DATA_COUNTERS if name in engine},
         "data": dict(payload.get("data") or {}),
@@ -54,17 +67,47 @@ class ReplicaStore(CheckpointStore):
     """A store for one replica group: the run's checkpoints through `inner`, this group's data state beside them.
 
     Args:
-        inner: the store of the run's checkpoints (the backend's usual one).
+        inner: the store of the run's checkpoints (the backend's usual one: a
+            file store, or a collective DCP store whose collectives stay
+            inside the replica group).
         replica_id: this replica group's id.
         group_size: the number of replica groups (data is sharded over all of them).
+        main: this rank writes the group's data state (the group's main rank:
+            with a collective inner store every rank of the group calls
+            `write`/`write_replica`, and only one writes the data state file).
+        positions: `(first, size)`: how the backend's `restore` indexes train
+            positions (by `backend.data_rank`): a list of `size` entries in
+            which this group's data ranks are `first, first + 1, ...`. None:
+            by data rank over every replica group (`replica_id * group ranks`,
+            `group_size * group ranks`: the ddp backend, whose `data_rank` is
+            the job-wide one); the mesh backend indexes inside the group
+            (`(0, data_size)`).
+        ft: the group's `FaultTolerance` (`manager_state`/`load_manager_state`):
+            the run's checkpoint carries its Manager's step (`"ft"`), which a
+            full read puts back (TorchFT's own advice: a group restored to the
+            same step as the others does not heal, see
+            `FaultTolerance.load_manager_state`). None: not saved.
     """
 
-    def __init__(self, inner: CheckpointStore, replica_id: int, group_size: int) -> None:
+    def __init__(
+        self,
+        inner: CheckpointStore,
+        replica_id: int,
+        group_size: int,
+        *,
+        main: bool = True,
+        positions: tuple[int, int] | None = None,
+        ft: Any = None,
+    ) -> None:
         super().__init__(inner.directory)
         self.inner, self.replica_id, self.group_size = inner, replica_id, group_size
+        self.main, self.positions, self.ft = main, positions, ft
+        self.kind = inner.kind  # type: ignore[misc]
         self.collective = inner.collective  # type: ignore[misc]
         self.background_safe = inner.background_safe  # type: ignore[misc]
         self.restores_model = inner.restores_model  # type: ignore[misc]
+        # A store that stages its own async saves (DCP's `write_async`): so is this one.
+        self.stages_itself = bool(getattr(inner, "stages_itself", False))
 
     def at(self, directory: Any) -> ReplicaStore:
         other = copy.copy(self)
@@ -84,15 +127,49 @@ class ReplicaStore(CheckpointStore):
 
     # -- writing ----------------------------------------------------------------------------------
 
+    def _with_manager(self, payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        if self.ft is None or "engine" not in payload:
+            return payload
+        return {**payload, FT_KEY: self.ft.manager_state()}
+
     def write(self, name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
-        manifest = self.inner.write(name, payload)
+        manifest = self.inner.write(name, self._with_manager(payload))
         if name == "latest":
             self.write_replica(name, payload)
         return manifest
 
+    def write_async(
+        self,
+        name: str,
+        payload: Mapping[str, Any],
+        after_commit: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Any:
+        """Every rank (a store that `stages_itself`): the inner store's async save of the run's checkpoint.
+
+        The group's data state of `payload` (small: positions, counters, RNG)
+        is taken now and written by the inner store's committing rank right
+        after the commit, before `after_commit`: it is never newer than the
+        group's committed checkpoint. Returns the inner store's handle.
+        """
+        write_async = getattr(self.inner, "write_async", None)
+        if write_async is None:
+            raise TypeError(f"{type(self.inner).__name__} has no write_async: it does not stage its own saves")
+        state = replica_payload(payload, self.replica_id)
+        payload = self._with_manager(payload)
+        if name != "latest":
+            return write_async(name, payload, after_commit=after_commit)
+
+        def committed(manifest: dict[str, Any]) -> None:
+            # On the inner store's main rank (DCP: group rank 0), in its commit thread.
+            self._replica_store().write("latest", state)
+            if after_commit is not None:
+                after_commit(manifest)
+
+        return write_async(name, payload, after_commit=committed)
+
     def write_replica(self, name: str, payload: Mapping[str, Any]) -> None:
-        """Write this group's data state (for `latest` only: a group's data state has one version)."""
-        if name == "latest":
+        """Write this group's data state (for `latest` only: a group's data state has one version; main rank only)."""
+        if name == "latest" and self.main:
             self._replica_store().write("latest", replica_payload(payload, self.replica_id))
 
     def link(self, src: str, dst: str) -> None:
@@ -123,7 +200,10 @@ class ReplicaStore(CheckpointStore):
         payload = self.inner.read(name, wanted)
         if wanted is not None and not {"engine", "data", "rng"} & set(wanted):
             return payload
-        return self.with_own_data(payload, source=str(self.inner.path(name)))
+        result = self.with_own_data(payload, source=str(self.inner.path(name)))
+        if self.ft is not None and "engine" in payload:  # a full read: a restore follows
+            self.ft.load_manager_state(payload.get(FT_KEY))
+        return result
 
     def read_replica(self) -> dict[str, Any] | None:
         """This group's saved data state, or None when there is none (a damaged one is logged and ignored)."""
@@ -136,17 +216,23 @@ class ReplicaStore(CheckpointStore):
             logger.warning("ft: ignoring this replica group's damaged data state: %s", exc)
             return None
 
+    def _slots(self, payload: Mapping[str, Any], mine: Mapping[str, Any] | None) -> tuple[int, int]:
+        """`(first, size)`: where this group's train positions go in the list `restore` indexes."""
+        if self.positions is not None:
+            return self.positions
+        group_world = int((payload.get("meta") or {}).get("world_size") or len(payload.get("rng") or []) or 1)
+        if mine is not None:
+            group_world = int(mine["meta"].get("group_world") or group_world)
+        return self.replica_id * group_world, self.group_size * group_world
+
     def with_own_data(self, payload: Mapping[str, Any], source: str = "") -> dict[str, Any]:
-        """`payload` with this group's data position, data counters and RNG (its train positions indexed by data rank)."""
+        """`payload` with this group's data position, data counters and RNG (its train positions by data rank)."""
         result = dict(payload)
         if "engine" not in payload:
             return result
         mine = self.read_replica()
-        group_world = int((payload.get("meta") or {}).get("world_size") or len(payload.get("rng") or []) or 1)
-        if mine is not None:
-            group_world = int(mine["meta"].get("group_world") or group_world)
-        first = self.replica_id * group_world
-        positions: list[Any] = [None] * (self.group_size * group_world)
+        first, size = self._slots(payload, mine)
+        positions: list[Any] = [None] * size
         if mine is None:
             # The run's checkpoint holds the writing group's positions, not ours:
             # this group replays its own share up to the checkpoint's batch.
@@ -159,9 +245,13 @@ class ReplicaStore(CheckpointStore):
             result["data"] = {"train": positions} if (payload.get("data") or {}).get("train") is not None else {}
             return result
         own_positions = (mine.get("data") or {}).get("train")
-        if own_positions is not None:
+        if own_positions is not None and first + len(own_positions) <= size:
             positions[first : first + len(own_positions)] = own_positions
             result["data"] = {**dict(payload.get("data") or {}), "train": positions}
+        elif own_positions is not None:
+            # Saved on another number of data ranks: `restore` sees the saved list, warns and
+            # restarts the interrupted epoch (a position cannot be resharded).
+            result["data"] = {**dict(payload.get("data") or {}), "train": list(own_positions)}
         else:
             result["data"] = {}
         result["engine"] = {**dict(payload["engine"]), **mine["engine"]}

@@ -22,7 +22,12 @@ participants, refused commits, heals, data position, pid), then a last line
   group takes part again; both groups see that step, so both stop together
   (always_armed: true counts the first join too)
 - refuse_at: report an error to the Manager before this step's commit (a refused commit)
-- checkpoint: a checkpoint folder (Checkpoint(dir=..., interval=ckpt_interval, auto_resume=resume))
+- checkpoint: a checkpoint folder (Checkpoint(dir=..., interval=ckpt_interval, auto_resume=resume,
+  async_mode=async_mode)); each rank records at every save point of the interval whether its group
+  wrote the run's checkpoint (`{"save_point": step, "writes": bool}`)
+- freeze: {"at": step, "dir": folder}: after the save at that step is committed, group rank 0 copies
+  what its group wrote (`latest` if it wrote it, its own `replicas/replica-<id>`) to `dir`: a
+  checkpoint of that step that later saves do not replace
 - batch_size, samples: the training data (a TensorDataset)
 - start_after: {"file": out of another worker, "steps": n} or {"file": ..., "end": true}: wait (after the
   imports, so a test can start this process early) until that worker took n steps, or ended
@@ -33,9 +38,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -126,6 +133,35 @@ class Record(cadence.Callback):
         time.sleep(self.options.get("pace", 0.05))
 
 
+class SavePoints(cadence.Callback):
+    """After Checkpoint: which group wrote at each save of the interval; `freeze` copies one save."""
+
+    order = 101
+
+    def __init__(self, options: dict, out) -> None:
+        self.options, self.out = options, out
+
+    def on_save_point(self, engine) -> None:
+        step, interval = engine.state.step, self.options.get("ckpt_interval", 2)
+        if not engine.state.batch_in_epoch or step % interval:
+            return
+        writes = engine.backend.writes_checkpoint  # what the Checkpoint callback was told at this save
+        self.out.write(json.dumps({"save_point": step, "writes": writes}) + "\n")
+        self.out.flush()
+        freeze = self.options.get("freeze")
+        if freeze is None or step != freeze["at"]:
+            return
+        ckpt = next(c for c in engine.callbacks if isinstance(c, Checkpoint))
+        assert ckpt.wait(60), "the save did not commit in 60 s"
+        if engine.backend.rank == 0:
+            source, target = Path(ckpt.store.directory), Path(freeze["dir"])
+            own = Path("replicas") / f"replica-{engine.backend.ft.replica_id}"
+            shutil.copytree(source / own, target / own)
+            if writes:
+                shutil.copytree(source / "latest", target / "latest")
+        engine.backend.barrier()
+
+
 def engine_ema(engine):
     return next(c for c in engine.callbacks if isinstance(c, EMA))
 
@@ -204,10 +240,13 @@ def main() -> None:
                 interval=options.get("ckpt_interval", 2),
                 auto_resume=bool(options.get("resume")),
                 keep_latest_k=1,
+                async_mode=options.get("async_mode", "disabled"),
             )
         )
     with open(options["out"], "a") as out:
         callbacks.append(Record(options, out))
+        if options.get("checkpoint"):
+            callbacks.append(SavePoints(options, out))
         try:
             with cadence.Engine(
                 model,

@@ -613,19 +613,25 @@ class MeshBackend(DDPBackend):
         """The DCP store (`cadence.checkpoint.dcp_store.DCPStore`): every rank writes its shards.
 
         Built for `engine` (`DCPStore.for_engine`): it loads into the live
-        (sharded) model, optimizers and callback states.
+        (sharded) model, optimizers and callback states. With ft, wrapped in a
+        `ReplicaStore`: every rank of the replica group that `writes_checkpoint`
+        names writes the run's DCP checkpoint (its collectives on a gloo group
+        of this replica group's own world, never across groups); every group
+        writes its own data state beside it (group rank 0: the train positions
+        of the group's data ranks, indexed by `data_rank` as `restore` reads
+        them).
         """
-        if self.ft is not None:
-            from cadence.backends.ft import unsupported
-
-            raise unsupported(
-                "the mesh backend and a Checkpoint callback",
-                "per-replica-group data states are written beside file checkpoints, and the mesh backend writes "
-                "DCP checkpoints; not built yet: use the ddp backend with ft to checkpoint, or drop Checkpoint",
-            )
         from cadence.checkpoint.dcp_store import DCPStore
 
-        return DCPStore.for_engine(engine)
+        store = DCPStore.for_engine(engine)
+        if self.ft is None:
+            return store
+        from cadence.checkpoint.replica import ReplicaStore
+
+        ft = self.ft
+        return ReplicaStore(
+            store, ft.replica_id, ft.group_size, main=self.rank == 0, positions=(0, self.data_size), ft=ft
+        )
 
     def describe(self) -> str:
         axes = " x ".join(f"{n}={s}" for n, s in self.sizes.items() if s > 1) or "one process"
