@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py            # full run (10-14 minutes)
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
+    python benchmarks/overhead.py --sinks-only --repeats 15   # W1: bare Cadence and the default sinks (pipe, file, terminal)
 
 Each measurement runs in a fresh process with one thread and glibc's malloc
 thresholds fixed (see FIXED_MALLOC); raw and Cadence runs alternate so drift
@@ -324,6 +325,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=11, help="alternated raw/Cadence pairs per measurement")
     parser.add_argument("--quick", action="store_true", help="3 repeats, W1 only")
+    parser.add_argument(
+        "--sinks-only", action="store_true", help="W1 only: the raw loop, bare Cadence and the default sinks"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="W1", help=argparse.SUPPRESS)
     parser.add_argument("--callbacks", type=int, default=0, help=argparse.SUPPRESS)
@@ -335,11 +339,13 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.workload, args.callbacks)))
         return
     repeats = 3 if args.quick else args.repeats
-    workloads = ["W1"] if args.quick else ["W1", "W2"]
+    workloads = ["W1"] if args.quick or args.sinks_only else ["W1", "W2"]
     rows = []
     for workload in workloads:
         variants = [("cadence", 0)]
-        if workload == "W1":
+        if workload == "W1" and args.sinks_only:
+            variants += [("sinks", 0), ("sinks-file", 0), ("sinks-tty", 0)]
+        elif workload == "W1":
             variants += [
                 ("cadence", 10),
                 ("cadence", 100),
@@ -383,6 +389,9 @@ def main() -> None:
     print(f"{'workload':8}  {'variant':32}  {'us/step':>9}  {'ratio':>6}  notes")
     for workload, label, median, ratio, extra in rows:
         print(f"{workload:8}  {label:32}  {median:9.1f}  {ratio:6.3f}  {extra}")
+    if args.sinks_only:
+        print(f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal)")
+        return
     rounds = 20 if args.quick else 80
     blocks = run_blocks(100, rounds)
     for key, label in (
