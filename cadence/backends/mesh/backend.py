@@ -3,9 +3,9 @@
 Setup, in this order (see docs/backends.md, "Mesh backend"):
 
 1. Validate, before any process group exists: the axes' product against the
-   world size, axes this version cannot build (expert_tensor), the context
-   axis's kernel and mask (`context.validate`), the expert axis against the
-   model's experts (`experts.validate`), a
+   world size, the context axis's kernel and mask (`context.validate`), the
+   expert and expert_tensor axes against the model's experts and the data
+   ranks (`experts.validate`), a
    tensor axis without `model.parallelize(mesh)` or a `parallelize` function,
    a pipeline axis without a valid split (`cadence.backends.mesh.pipeline`),
    `CPUOffloadPolicy` on a machine without an accelerator.
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from cadence.backends.ddp import _OPS, DDPBackend
 from cadence.backends.local import default_device
-from cadence.backends.mesh.config import SUPPORTED_AXES, MeshConfig
+from cadence.backends.mesh.config import MeshConfig
 from cadence.backends.mesh.pipeline import Pipeline, SplitFn, refuse_short_steps, resolve_split
 from cadence.backends.transforms import (
     UnitsFn,
@@ -199,12 +199,6 @@ class MeshBackend(DDPBackend):
 
     def _validate(self, model: torch.nn.Module) -> None:
         sizes, config = self.sizes, self.config
-        for axis, size in sizes.items():
-            if size > 1 and axis not in SUPPORTED_AXES:
-                raise NotImplementedError(
-                    f"mesh: {axis}={size} is not supported yet (this version builds {', '.join(SUPPORTED_AXES)}); "
-                    f"set {axis}=1"
-                )
         if sizes["tensor"] > 1 and self.parallelize_fn is None and not callable(getattr(model, "parallelize", None)):
             raise ValueError(
                 f"mesh: tensor={sizes['tensor']} needs `model.parallelize(mesh)` ({type(model).__name__} has none) "
@@ -285,11 +279,11 @@ class MeshBackend(DDPBackend):
         units = find_units(model, config.units, self.units_fn)
         apply_activation_checkpointing(units, config.activation_checkpointing)
         apply_compile(model, units, config.compile)
-        if self.sizes["expert"] > 1:
+        if self.sizes["expert"] * self.sizes["expert_tensor"] > 1:
             from cadence.backends.mesh import experts
 
             self.expert_mesh, self._expert_params = experts.build(
-                model, self.device.type, self.world_size, self.sizes["expert"]
+                model, self.device.type, self.world_size, self.sizes["expert"], self.sizes["expert_tensor"]
             )
         # Under ft always sharded, also on one rank: the all-reduce hook across replica groups is FSDP2's.
         self.sharded = self.data_size * self.sizes["context"] > 1 or self.ft is not None
