@@ -107,8 +107,9 @@ def validate(model: torch.nn.Module, sizes: Mapping[str, int]) -> None:
 
 def build(
     model: torch.nn.Module, device_type: str, world_size: int, expert: int, expert_tensor: int
-) -> tuple[Any, list[torch.Tensor]]:
-    """The 3-D expert mesh ("expert_data", "expert", "expert_tensor") and the expert parameters after `shard_experts`.
+) -> tuple[Any, list[torch.Tensor], Any]:
+    """The 3-D expert mesh ("expert_data", "expert", "expert_tensor"), the expert parameters after `shard_experts`,
+    and the process group of the expert x expert_tensor ranks (for gradient norms: one all-reduce over both axes).
 
     Collective (every rank creates the mesh's groups).
     """
@@ -121,6 +122,8 @@ def build(
         mesh_dim_names=("expert_data", "expert", "expert_tensor"),
     )
     sub = mesh["expert", "expert_tensor"]
+    # A DTensor norm partial over both axes would take two all-reduces (and torch warns that ranks may differ).
+    norm_group = sub._flatten("expert_shard").get_group()
     params: list[torch.Tensor] = []
     for module in expert_modules(model):
         kind = type(module).__name__
@@ -142,7 +145,7 @@ def build(
                     "'expert' and sharded on a hidden dimension (> 0) over 'expert_tensor'"
                 )
         params.extend(p for _, p in found)
-    return mesh, params
+    return mesh, params, norm_group
 
 
 class ExpertGradients:
