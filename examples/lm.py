@@ -7,6 +7,7 @@
     python examples/lm.py nproc=4 engine.backend=mesh mesh.shard=2 mesh.tensor=2
     python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=1 mesh.context=2 model.causal=false
     python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2 mesh.expert=2 model.n_experts=4
+    python examples/lm.py nproc=4 engine.backend=mesh mesh.shard=4 mesh.expert=2 mesh.expert_tensor=2 model.n_experts=4
     torchrun --nproc_per_node 2 examples/lm.py                # or under torchrun
 
 The corpus is the `.py` files at the top of the running interpreter's standard
@@ -18,7 +19,7 @@ mixture of SwiGLU experts: `MoE`). It tells the backends how to parallelize it
 (`parallelize(mesh)`: tensor parallel over the mesh's `tensor` axis;
 `context_parallel_buffers(batch)` and `causal`: context parallel, which on CPU
 needs `model.causal=false`, fine for a test model; `MoE.shard_experts`: expert
-parallel) and which modules are FSDP2 units (`fsdp_units()`), and counts its own
+parallel over the `expert` and `expert_tensor` axes) and which modules are FSDP2 units (`fsdp_units()`), and counts its own
 training FLOPs per token, from which TrainMetrics logs TFLOP/s and MFU (give
 `peak_flops`, e.g. 989e12 for an H100 in bf16).
 
@@ -69,7 +70,8 @@ class ModelConfig:
         norm_eps: RMSNorm's epsilon.
         n_experts: 0: every block has the SwiGLU feed-forward; > 0: a
             mixture-of-experts layer with that many SwiGLU experts instead
-            (sharded over the mesh's `expert` axis).
+            (sharded over the mesh's `expert` axis, and each expert's
+            `ffn_hidden` over its `expert_tensor` axis).
         top_k: experts each token is routed to.
         balance_coef: weight of the load-balancing loss added to the
             training loss (sequence-wise: mean over sequences of
