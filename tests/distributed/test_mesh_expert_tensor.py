@@ -30,6 +30,7 @@ from tests.distributed.test_mesh_context_expert import (
     make_engine,
     model_config,
     one_process,
+    token_data,
 )
 
 pytestmark = pytest.mark.timeout(150)
@@ -135,6 +136,41 @@ def test_expert_2_by_expert_tensor_2_on_4_ranks_equals_one_process():
     # expert=2 alone on these 4 ranks drifts 1.2e-5 and expert_tensor=4 alone 2.1e-5 (data-rank rounding, amplified).
     ref = one_process(model_config(n_experts=4), batch_size=8, nan_step=NAN_STEP)
     check_equals_one_process(got, ref, params_atol=5e-5)
+
+
+class ReplicatedHidden(lm.MoE):
+    """Shards its experts over "expert" but replicates them over "expert_tensor" (summed peers would double count)."""
+
+    def shard_experts(self, mesh) -> None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        for name in ("w1", "w3", "w2"):
+            full = getattr(self, name).detach()
+            setattr(self, name, torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0), Replicate()])))
+
+
+def setup_replicated_hidden() -> str:
+    model = lm.Transformer(model_config(n_experts=4))
+    model.layers[0].feed_forward = ReplicatedHidden(model_config(n_experts=4))
+    try:
+        cadence.Engine(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            token_data(8),
+            loss_fn=lm.next_byte_loss,
+            backend=MeshBackend(shard=2, expert_tensor=2, timeout=30),
+            seed=0,
+        )
+    except ValueError as error:
+        return f"{error} (group left: {dist.is_initialized()})"
+    return "no error"
+
+
+def test_expert_weights_not_sharded_over_expert_tensor_are_an_error():
+    message = launch(setup_replicated_hidden, nprocs=2, start_method="fork", timeout=60)
+    assert "ReplicatedHidden.shard_experts(mesh) placed w1 as (Shard(dim=0), Replicate())" in message
+    assert "sharded on a hidden dimension (> 0) over 'expert_tensor'" in message
+    assert message.endswith("(group left: False)")  # the failed setup released the group it joined
 
 
 class NoHiddenSize(torch.nn.Module):
