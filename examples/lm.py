@@ -7,6 +7,7 @@
     python examples/lm.py nproc=4 engine.backend=mesh mesh.shard=2 mesh.tensor=2
     python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=1 mesh.context=2 model.causal=false
     python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2 mesh.expert=2 model.n_experts=4
+    python examples/lm.py nproc=4 engine.backend=mesh mesh.shard=4 mesh.expert=2 mesh.expert_tensor=2 model.n_experts=4
     torchrun --nproc_per_node 2 examples/lm.py                # or under torchrun
 
 The corpus is the `.py` files at the top of the running interpreter's standard
@@ -18,7 +19,7 @@ mixture of SwiGLU experts: `MoE`). It tells the backends how to parallelize it
 (`parallelize(mesh)`: tensor parallel over the mesh's `tensor` axis;
 `context_parallel_buffers(batch)` and `causal`: context parallel, which on CPU
 needs `model.causal=false`, fine for a test model; `MoE.shard_experts`: expert
-parallel) and which modules are FSDP2 units (`fsdp_units()`), and counts its own
+parallel over the `expert` and `expert_tensor` axes) and which modules are FSDP2 units (`fsdp_units()`), and counts its own
 training FLOPs per token, from which TrainMetrics logs TFLOP/s and MFU (give
 `peak_flops`, e.g. 989e12 for an H100 in bf16).
 
@@ -69,7 +70,8 @@ class ModelConfig:
         norm_eps: RMSNorm's epsilon.
         n_experts: 0: every block has the SwiGLU feed-forward; > 0: a
             mixture-of-experts layer with that many SwiGLU experts instead
-            (sharded over the mesh's `expert` axis).
+            (sharded over the mesh's `expert` axis, and each expert's
+            `ffn_hidden` over its `expert_tensor` axis).
         top_k: experts each token is routed to.
         balance_coef: weight of the load-balancing loss added to the
             training loss (sequence-wise: mean over sequences of
@@ -168,11 +170,14 @@ class MoE(nn.Module):
     """A mixture of SwiGLU experts: a router picks `top_k` experts per token, their outputs are mixed by its weights.
 
     Expert weights are stacked (first dimension: the expert). On one process
-    every expert is here; after `shard_experts(mesh)` (the mesh backend's
-    `expert` axis) each rank holds `num_experts / mesh.size()` of them as a
-    DTensor shard, and forward sends each token to its experts' owners and
-    back with two all-to-alls on the expert group (autograd-aware, so the
-    backward brings every rank's contribution to the experts' gradients).
+    every expert is here. `shard_experts(mesh)` (the mesh backend's `expert`
+    and `expert_tensor` axes) keeps this rank's share as DTensors: the experts
+    `Shard(0)` over "expert", and each expert's hidden dimension over
+    "expert_tensor" (w1, w3 column-wise, w2 row-wise). Forward then gathers
+    the expert_tensor peers' tokens, sends each to its experts' owners and
+    back with two all-to-alls on the expert group, and sums the peers'
+    partial outputs for its own tokens (all autograd-aware, so the backward
+    brings every rank's contribution to the experts' gradients).
 
     After each forward, `balance_loss` (sequence-wise load-balancing loss) and
     `tokens_per_expert` (this rank's routed tokens per expert, detached) hold
@@ -183,22 +188,24 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = config.n_experts, config.top_k
         experts, dim, hidden = config.n_experts, config.dim, config.ffn_hidden
+        self.expert_hidden = hidden  # what the mesh's expert_tensor axis splits
         self.router = nn.Linear(dim, experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
-        self.group: Any = None  # the expert group, after shard_experts
+        self.groups: Any = None  # (expert group, expert_tensor group), after shard_experts
         self.balance_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 
     def shard_experts(self, mesh: Any) -> None:
-        """Keep this rank's share of the experts (DTensors sharded on the expert dimension over `mesh`)."""
+        """Keep this rank's share of the weights: `mesh` is the 2-D ("expert", "expert_tensor") mesh."""
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        for name in ("w1", "w3", "w2"):
+        hidden_dim = {"w1": 1, "w3": 1, "w2": 2}  # w1, w3: (expert, hidden, dim); w2: (expert, dim, hidden)
+        for name, dim in hidden_dim.items():
             full = getattr(self, name).detach()
-            setattr(self, name, nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
-        self.group = mesh.get_group()
+            setattr(self, name, nn.Parameter(distribute_tensor(full, mesh, [Shard(0), Shard(dim)])))
+        self.groups = (mesh["expert"].get_group(), mesh["expert_tensor"].get_group())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
@@ -215,10 +222,10 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)  # assignments grouped by expert
         token_index = order // self.top_k
         routed = tokens[token_index]
-        if self.group is None:
+        if self.groups is None:
             out = self._experts(routed, counts.tolist(), self.w1, self.w3, self.w2)
         else:
-            out = self._dispatch(routed, counts)
+            out = self._tensor_parallel(routed, counts)
         mixed = out * weights.reshape(-1)[order, None]
         return torch.zeros_like(tokens).index_add_(0, token_index, mixed).view(batch, seq, dim)
 
@@ -231,13 +238,41 @@ class MoE(nn.Module):
             outs.append((F.silu(part @ w1[e].T) * (part @ w3[e].T)) @ w2[e].T)
         return torch.cat(outs)
 
-    def _dispatch(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Send each assignment to its expert's owner, run the local experts, send the results back."""
+    def _tensor_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Gather the expert_tensor peers' assignments, dispatch them all, sum the peers' partial outputs for ours."""
         import torch.distributed as dist
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        group = self.group
+        group = self.groups[1]
+        peers = dist.get_world_size(group)
+        if peers == 1:
+            return self._dispatch(routed, counts)
+        gathered_counts = torch.empty(peers * counts.numel(), dtype=counts.dtype, device=counts.device)
+        dist.all_gather_into_tensor(gathered_counts, counts, group=group)
+        gathered_counts = gathered_counts.view(peers, -1)  # [peer, expert]
+        rows = gathered_counts.sum(1).tolist()  # each peer's assignments
+        mine = routed.shape[0]
+        # An all-gather of unequal parts (autograd-aware): every peer receives our rows.
+        gathered = all_to_all_single_autograd(routed.repeat(peers, 1), rows, [mine] * peers, group)
+        # Rows arrive by (peer, expert): regroup them by expert.
+        experts = torch.arange(self.num_experts, device=routed.device).repeat(peers)
+        regroup = experts.repeat_interleave(gathered_counts.reshape(-1)).argsort(stable=True)
+        out = self._dispatch(gathered[regroup], gathered_counts.sum(0))
+        partial = torch.empty_like(out).index_copy(0, regroup, out)  # rows by peer again
+        # Each peer's partial outputs (its hidden slice) for our rows, summed: a reduce-scatter of unequal parts.
+        received = all_to_all_single_autograd(partial, [mine] * peers, rows, group)
+        return received.view(peers, mine, -1).sum(0)
+
+    def _dispatch(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Send each assignment to its expert's owner, run the local experts (their hidden slice), send the results back."""
+        import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))
+        group = self.groups[0]
         ranks = dist.get_world_size(group)
+        if ranks == 1:
+            return self._experts(routed, counts.tolist(), w1, w3, w2)
         local = self.num_experts // ranks
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, local expert]
@@ -250,7 +285,6 @@ class MoE(nn.Module):
             torch.arange(local, device=routed.device).repeat(ranks).repeat_interleave(received_counts.reshape(-1))
         )
         regroup = expert_of_row.argsort(stable=True)
-        w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))
         out = self._experts(received[regroup], received_counts.sum(0).tolist(), w1, w3, w2)
         back = torch.empty_like(out).index_copy(0, regroup, out)  # rows in arrival order again
         return all_to_all_single_autograd(back, send, receive, group)

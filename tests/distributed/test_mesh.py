@@ -360,11 +360,11 @@ def test_tensor_axis_without_parallelize_is_an_error_naming_the_axis(monkeypatch
     assert "tensor=2 needs `model.parallelize(mesh)`" in message and "Sequential" in message
 
 
-def test_axes_not_built_yet_are_errors_not_ignored(monkeypatch):
-    # context, expert: tests/distributed/test_mesh_context_expert.py; pipeline: tests/distributed/test_pipeline.py.
-    for axis in ("expert_tensor",):  # divides the data ranks: shard=2
+def test_expert_axes_without_experts_are_errors_not_ignored(monkeypatch):
+    # More: tests/distributed/test_mesh_context_expert.py, test_mesh_expert_tensor.py.
+    for axis in ("expert", "expert_tensor"):  # divide the data ranks: shard=2
         message = _setup_error(monkeypatch, 2, shard=2, **{axis: 2})
-        assert f"{axis}=2 is not supported yet" in message
+        assert f"{axis}=2 needs mixture-of-experts modules" in message and "Net has none" in message
 
 
 def test_unknown_unit_classes_and_checkpointing_without_blocks_fail_before_any_group(monkeypatch):

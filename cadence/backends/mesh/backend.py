@@ -3,9 +3,9 @@
 Setup, in this order (see docs/backends.md, "Mesh backend"):
 
 1. Validate, before any process group exists: the axes' product against the
-   world size, axes this version cannot build (expert_tensor), the context
-   axis's kernel and mask (`context.validate`), the expert axis against the
-   model's experts (`experts.validate`), a
+   world size, the context axis's kernel and mask (`context.validate`), the
+   expert and expert_tensor axes against the model's experts and the data
+   ranks (`experts.validate`), a
    tensor axis without `model.parallelize(mesh)` or a `parallelize` function,
    a pipeline axis without a valid split (`cadence.backends.mesh.pipeline`),
    `CPUOffloadPolicy` on a machine without an accelerator.
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from cadence.backends.ddp import _OPS, DDPBackend
 from cadence.backends.local import default_device
-from cadence.backends.mesh.config import SUPPORTED_AXES, MeshConfig
+from cadence.backends.mesh.config import MeshConfig
 from cadence.backends.mesh.pipeline import Pipeline, SplitFn, refuse_short_steps, resolve_split
 from cadence.backends.transforms import (
     UnitsFn,
@@ -141,6 +141,8 @@ class MeshBackend(DDPBackend):
         self.context_mesh: Any = None
         self.expert_mesh: Any = None
         self._expert_params: list[torch.Tensor] = []
+        # Meshes whose DTensor gradients are sharded over several dims -> one group spanning them (for norms).
+        self._norm_groups: dict[Any, Any] = {}
         # -- pipeline axis (cadence.backends.mesh.pipeline) --
         self.pipeline_split_fn = pipeline_split
         self._split: list[list[str]] | None = None
@@ -199,12 +201,6 @@ class MeshBackend(DDPBackend):
 
     def _validate(self, model: torch.nn.Module) -> None:
         sizes, config = self.sizes, self.config
-        for axis, size in sizes.items():
-            if size > 1 and axis not in SUPPORTED_AXES:
-                raise NotImplementedError(
-                    f"mesh: {axis}={size} is not supported yet (this version builds {', '.join(SUPPORTED_AXES)}); "
-                    f"set {axis}=1"
-                )
         if sizes["tensor"] > 1 and self.parallelize_fn is None and not callable(getattr(model, "parallelize", None)):
             raise ValueError(
                 f"mesh: tensor={sizes['tensor']} needs `model.parallelize(mesh)` ({type(model).__name__} has none) "
@@ -285,12 +281,13 @@ class MeshBackend(DDPBackend):
         units = find_units(model, config.units, self.units_fn)
         apply_activation_checkpointing(units, config.activation_checkpointing)
         apply_compile(model, units, config.compile)
-        if self.sizes["expert"] > 1:
+        if self.sizes["expert"] * self.sizes["expert_tensor"] > 1:
             from cadence.backends.mesh import experts
 
-            self.expert_mesh, self._expert_params = experts.build(
-                model, self.device.type, self.world_size, self.sizes["expert"]
+            self.expert_mesh, self._expert_params, norm_group = experts.build(
+                model, self.device.type, self.world_size, self.sizes["expert"], self.sizes["expert_tensor"]
             )
+            self._norm_groups = {self._expert_params[0].device_mesh: norm_group}  # type: ignore[attr-defined]
         # Under ft always sharded, also on one rank: the all-reduce hook across replica groups is FSDP2's.
         self.sharded = self.data_size * self.sizes["context"] > 1 or self.ft is not None
         if self.sharded:
@@ -389,7 +386,7 @@ class MeshBackend(DDPBackend):
         mesh, destroyed = self.mesh, self.created_group
         self.pipeline = None
         self._root, self._fsdp_modules, self.mesh, self.data_group = None, [], None, None
-        self.context_mesh, self.expert_mesh, self._expert_params = None, None, []
+        self.context_mesh, self.expert_mesh, self._expert_params, self._norm_groups = None, None, [], {}
         super().teardown()
         if destroyed:
             _release_groups(holders, mesh)
@@ -463,7 +460,11 @@ class MeshBackend(DDPBackend):
         for grad in grads:
             groups.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
         norms = []
-        for group in groups.values():
+        for mesh, group in groups.items():
+            if mesh in self._norm_groups:  # sharded over several mesh dims (experts): one all-reduce over them
+                local = get_total_norm(_locals(group), norm_type, foreach=True)
+                norms.append(_combine_norms(local, norm_type, self._norm_groups[mesh]))
+                continue
             norm = get_total_norm(group, norm_type, foreach=True)
             norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         total = norms[0] if len(norms) == 1 else get_total_norm(norms, norm_type)
@@ -675,6 +676,17 @@ def _release_groups(modules: Sequence[Any], mesh: Any) -> None:
                 clear_info(getattr(owner, "mesh_info", None))
                 clear_info(getattr(owner, "post_forward_mesh_info", None))
                 clear_mesh(getattr(owner, "_spmd_mesh", None))
+
+
+def _combine_norms(local: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+    """The norm over every rank of `group` from each rank's local norm (as DTensor's partial norm reduces)."""
+    if norm_type == float("inf"):
+        total = local.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return total
+    total = local**norm_type
+    dist.all_reduce(total, group=group)
+    return total ** (1.0 / norm_type)
 
 
 def _has_accelerator() -> bool:

@@ -12,8 +12,6 @@ from cadence.backends.transforms import ActivationCheckpointConfig, CompileConfi
 
 #: Mesh axes, in the order their sizes multiply into the world size.
 AXES: tuple[str, ...] = ("replicate", "shard", "context", "pipeline", "tensor", "expert", "expert_tensor")
-#: Axes this version builds; the others are refused when > 1 (see `MeshConfig`).
-SUPPORTED_AXES: tuple[str, ...] = ("replicate", "shard", "pipeline", "tensor", "context", "expert")
 #: Axes carved out of the data x context ranks rather than multiplied into the world size.
 BORROWED_AXES: tuple[str, ...] = ("expert", "expert_tensor")
 
@@ -50,12 +48,15 @@ class MeshConfig:
       and backward on its slice of the sequence; parameters are sharded over
       shard x context. Needs `model.context_parallel_buffers(batch)`.
     - `expert`: expert parallel (cadence/backends/mesh/experts.py). Not a
-      factor of the world size: it groups `expert` consecutive data x context
-      ranks (it must divide shard x context), each holding its share of every
-      mixture-of-experts layer's experts. Needs modules with `num_experts`
-      and `shard_experts(mesh)`.
-    - `expert_tensor`: not built yet; a size > 1 is an error (never silently
-      ignored).
+      factor of the world size: it groups data x context ranks, each holding
+      its share of every mixture-of-experts layer's experts. Needs modules
+      with `num_experts` and `shard_experts(mesh)`.
+    - `expert_tensor`: tensor parallel inside each expert (TorchTitan's ETP):
+      each expert's hidden dimension is split over `expert_tensor` ranks,
+      which exchange their tokens and sum their partial outputs. Also carved
+      out of the data x context ranks (innermost: consecutive ranks), so
+      expert x expert_tensor must divide shard x context. Needs modules that
+      also declare `expert_hidden` (it must divide it).
 
     Attributes:
         precision: "fp32", or "bf16": FSDP2's `MixedPrecisionPolicy` with
