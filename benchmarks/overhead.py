@@ -256,17 +256,74 @@ def callback_blocks(callbacks: int, rounds: int, block: int = 100) -> dict:
     }
 
 
-def run_worker(kind: str, workload: str, callbacks: int = 0) -> dict:
+def sinks_blocks(rounds: int, block: int = 1000) -> dict:
+    """The default sinks' cost measured in one process, in interleaved blocks (W1).
+
+    Three loops share one model, optimizer and data and take turns, `block`
+    steps each, in a rotating order: the raw loop, a bare Cadence engine and
+    one with the default sinks (`default_callbacks()`), each Cadence block one
+    `fit(steps=block)` (so each block also pays a fit's start and end, which a
+    real run pays once). Per round, each engine's time over the raw block's of
+    the same round: the machine's drift, which moves one fresh process against
+    the next by up to +-10% here, cancels within a round. Where stderr goes
+    (pipe, file, terminal) is the parent's choice, as for the fresh-process
+    variants.
+    """
+    import torch
+    from torch.nn import functional as F
+
+    import cadence
+    from cadence.callbacks.metrics import default_callbacks
+
+    torch.set_num_threads(1)
+    model, optimizer, data = build("W1")
+    workspace = tempfile.mkdtemp(prefix="cadence-bench-")
+    engines = {
+        name: cadence.Engine(
+            model, optimizer, data, loss_fn=F.cross_entropy, callbacks=cbs, seed=0, log_interval=50, workspace=workspace
+        )
+        for name, cbs in (("cadence", []), ("sinks", default_callbacks()))
+    }
+    raw = raw_loop(model, optimizer)
+    position = 0
+
+    def run(name: str) -> float:
+        nonlocal position
+        batches = data[position : position + block]
+        position = (position + block) % (len(data) - block)
+        started = time.perf_counter()
+        if name == "raw":
+            raw(batches)
+        else:
+            engines[name].fit(steps=block)
+        return time.perf_counter() - started
+
+    names = ["raw", "cadence", "sinks"]
+    for name in names:  # warm every path up
+        run(name)
+    ratios: dict[str, list[float]] = {"cadence": [], "sinks": []}
+    for r in range(rounds):
+        order = names[r % 3 :] + names[: r % 3]
+        t = {name: run(name) for name in order}
+        for name in ratios:
+            ratios[name].append(t[name] / t["raw"])
+    for engine in engines.values():
+        engine.close()
+    return {name: statistics.quantiles(values, n=4) for name, values in ratios.items()}
+
+
+def run_worker(kind: str, workload: str, callbacks: int = 0, extra: tuple[str, ...] = ()) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", **FIXED_MALLOC)
     command = [sys.executable, __file__, "--worker", kind, "--workload", workload, "--callbacks", str(callbacks)]
-    if kind == "sinks-file":
+    command += extra
+    if kind.endswith("-file"):
         # stderr to a regular file, as a shell's `2> log` or a scheduler's output file.
         with tempfile.TemporaryFile() as log:
             out = subprocess.run(
                 command, check=True, stdout=subprocess.PIPE, stderr=log, text=True, env=env, timeout=900
             )
         return json.loads(out.stdout.strip().splitlines()[-1])
-    if kind != "sinks-tty":
+    if not kind.endswith("-tty"):
         out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=900)
         return json.loads(out.stdout.strip().splitlines()[-1])
     # stderr is a terminal (the progress bar draws its tqdm bar), read as a terminal would be.
@@ -335,6 +392,9 @@ def main() -> None:
     if args.worker == "blocks":
         print(json.dumps(callback_blocks(args.callbacks, rounds=args.repeats)))
         return
+    if args.worker and args.worker.startswith("sinks-blocks"):
+        print(json.dumps(sinks_blocks(rounds=args.repeats)))
+        return
     if args.worker:
         print(json.dumps(worker(args.worker, args.workload, args.callbacks)))
         return
@@ -391,6 +451,14 @@ def main() -> None:
         print(f"{workload:8}  {label:32}  {median:9.1f}  {ratio:6.3f}  {extra}")
     if args.sinks_only:
         print(f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal)")
+        rounds = 10 if args.quick else 40
+        print(f"\nW1 in one process, {rounds} rounds of 1000-step blocks (raw, bare Cadence, default sinks), rotating:")
+        for output in ("pipe", "file", "tty"):
+            kind = "sinks-blocks" + ("" if output == "pipe" else f"-{output}")
+            result = run_worker(kind, "W1", extra=("--repeats", str(rounds)))
+            for name, label in (("cadence", "bare Cadence"), ("sinks", "default sinks")):
+                low, median, high = result[name]
+                print(f"  stderr to a {output:5} {label:14} / raw {median:.3f} ({low:.3f}-{high:.3f}, quartiles)")
         return
     rounds = 20 if args.quick else 80
     blocks = run_blocks(100, rounds)
