@@ -1,4 +1,4 @@
-"""Evaluation and prediction on the expert axes with unequal shards (gloo, forked ranks).
+"""Evaluation and prediction with unequal shards on meshes whose forward runs collectives (gloo, forked ranks).
 
 Every mixture-of-experts forward runs all-to-alls on the expert group, so the
 data ranks must run the same number of forwards even when the exact
@@ -6,6 +6,8 @@ evaluation shards differ by a batch (33 samples in batches of 2: 9 batches on
 rank 0, 8 on rank 1). The backend asks for it (`Backend.eval_lockstep`); the
 rank with fewer batches runs stand-in forwards counted nowhere, so the loss is
 the one-process dataset mean and every prediction comes back once, in order.
+A context axis needs nothing of the kind: evaluation runs whole sequences on
+each context rank, and FSDP2's gathers are held by `MeshBackend.evaluation()`.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ pytestmark = pytest.mark.timeout(120)
 SAMPLES, BATCH = 33, 2  # rank 0: 17 samples, 9 batches; rank 1: 16 samples, 8 batches
 
 
-def make_engine(backend, seed: int) -> cadence.Engine:
+def make_engine(backend, seed: int, **model) -> cadence.Engine:
     torch.manual_seed(seed)
-    model = lm.Transformer(model_config(n_experts=4))
+    model = lm.Transformer(model_config(**(model or {"n_experts": 4})))
     return cadence.Engine(
         model,
         None,
@@ -123,3 +125,25 @@ def test_unequal_shards_evaluate_and_predict_exactly_on_expert_axes(axes, refere
     # Without a length: the mean over every rank's batches.
     assert got["streamed"] == pytest.approx(reference["streamed"], abs=1e-6)
     assert all("a rank has no batch while others have some" in message for message in got["stranded"])
+
+
+def evaluate_context(options: dict) -> dict:
+    rank = int(os.environ["RANK"])
+    with make_engine(MeshBackend(**options, timeout=30), seed=rank, causal=False) as engine:
+        counts = Counts()
+        engine.add_callback(counts)
+        results = engine.evaluate()
+        return {
+            "loss": results["val.loss"],
+            "eval_batches": engine.backend.all_gather_object(counts.eval_batches),
+            "lockstep": engine.backend.eval_lockstep(engine),
+        }
+
+
+def test_unequal_shards_evaluate_exactly_with_a_context_axis():
+    got = launch(evaluate_context, {"shard": 2, "context": 2}, nprocs=4, start_method="fork", timeout=100)
+    with make_engine("local", seed=0, causal=False) as engine:
+        reference = engine.evaluate()["val.loss"]
+    # No agreement needed: 9 and 8 batches on the data ranks, and the one-process mean.
+    assert got["lockstep"] is None and got["eval_batches"] == [9, 8]
+    assert got["loss"] == pytest.approx(reference, abs=1e-6)
