@@ -309,6 +309,24 @@ class Backend:
         """
         return _NULL
 
+    def eval_lockstep(self, engine: Engine) -> Domain | None:
+        """The domain whose ranks must all run the same number of evaluation forwards, or None (the default).
+
+        Asked once per `evaluate()` / `predict()`, inside `evaluation()`. A
+        backend whose every forward runs collectives that parameters held
+        gathered cannot avoid (the all-to-alls of expert parallel) names the
+        domain spanning those collectives' groups. The engine then agrees on
+        the largest batch count over that domain (one all-reduce per
+        evaluation, from each rank's loader length; one small all-reduce per
+        batch when the data has no length), and a rank that runs out of
+        batches runs the same forward on a stand-in (its last batch) until
+        that count: outputs discarded, counted nowhere (no metric update, no
+        `engine.log`, no on_eval_batch / on_predict_batch, no prediction),
+        so metrics stay the exact dataset values. None: nothing is agreed or
+        added per batch.
+        """
+        return None
+
     def data_shard(self, split: str) -> tuple[int, int]:
         """`(rank, size)` that shards the data of `split` ("train", an evaluation split such as "val", "predict").
 

@@ -19,7 +19,7 @@ from cadence.engine.backend import NULL_CONTEXT, Backend, batch_size, restore_tr
 from cadence.engine.bus import EventBus, Handle, callback_key
 from cadence.engine.control import Requests
 from cadence.engine.data import DataConfig, DataSource
-from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gather_outputs, scalar
+from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gather_outputs, in_lockstep, scalar
 from cadence.engine.events import Event
 from cadence.engine.feed import TrainFeed
 from cadence.engine.metrics import MetricStore, Reduction
@@ -570,7 +570,8 @@ class Engine:
                 self.fire(Event.ON_EVAL_START)
                 if staged is not None:
                     store.declare(f"{split}.loss")  # ranks without the loss (pipeline stages) take part
-                for batch in source.epoch_iter(0, fresh=True):
+                batches = self._lockstep(source.epoch_iter(0, fresh=True), source, staged, True, split)
+                for batch in batches:
                     self.batch = self._place(batch)
                     if staged is not None:
                         self.outputs, loss = staged(self.batch)
@@ -636,7 +637,7 @@ class Engine:
         with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
             staged = self.backend.eval_forward(self)  # None: the model's own forward
             self.fire(Event.ON_PREDICT_START)
-            batches = source.epoch_iter(0, fresh=True)
+            batches = self._lockstep(source.epoch_iter(0, fresh=True), source, staged, False, "predict")
             indices, seen = source.sample_indices(), 0
             for batch in batches:
                 self.batch = self._place(batch)
@@ -660,6 +661,34 @@ class Engine:
                 result = gather_outputs(self.backend, outputs, indices)
             self.fire(Event.ON_PREDICT_END)
         return result
+
+    def _lockstep(
+        self, batches: Iterator[Any], source: DataSource, staged: Any, evaluating: bool, split: str
+    ) -> Iterator[Any]:
+        """`batches` as they are, or, when the backend's forward needs every rank (`Backend.eval_lockstep`),
+        with stand-in forwards after the last so that every rank runs as many."""
+        domain = self.backend.eval_lockstep(self)
+        if domain is None:
+            return batches
+        count = len(source) if source.has_len() else None
+        stand_in = partial(self._stand_in_forward, staged, evaluating)
+        return in_lockstep(batches, count, self.backend, domain, stand_in, split)
+
+    def _stand_in_forward(self, staged: Any, evaluating: bool, batch: Any) -> None:
+        """The forward `evaluate()` / `predict()` runs per batch, on `batch`, its outputs and logged values discarded."""
+        batch = self._place(batch)
+        if not evaluating:
+            batch = batch[0] if isinstance(batch, (tuple, list)) else batch
+        outputs, active = self.outputs, self._active_metrics
+        self._active_metrics = MetricStore()  # engine.log calls made in eval_fn or forward: dropped
+        try:
+            if staged is not None:
+                staged(batch)
+            else:
+                with self.backend.autocast():
+                    self._eval_step(batch) if evaluating else self.wrapped_model(batch)
+        finally:
+            self.outputs, self._active_metrics = outputs, active
 
     @contextlib.contextmanager
     def _run(self) -> Iterator[None]:

@@ -10,7 +10,7 @@ metrics), then computes each without any further communication.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +19,7 @@ from cadence.engine.gather import gather_tensors
 from cadence.metrics import Metric
 
 if TYPE_CHECKING:
-    from cadence.engine.backend import Backend
+    from cadence.engine.backend import Backend, Domain
 
 MetricInputs = Callable[[Any, Any], Any]
 
@@ -317,3 +317,59 @@ def gather_outputs(backend: Backend, outputs: list[Any], indices: list[int] | No
         order = torch.cat(per_rank_index).argsort()
         joined = [leaf[order.to(leaf.device)] for leaf in joined]
     return _rebuild(tree, joined)
+
+
+def in_lockstep(
+    batches: Iterable[Any],
+    count: int | None,
+    backend: Backend,
+    domain: Domain,
+    stand_in: Callable[[Any], None],
+    split: str,
+) -> Iterator[Any]:
+    """`batches`, then `stand_in(last batch)` until this rank has run as many forwards as every rank of `domain`.
+
+    For backends whose evaluation forward runs collectives (`Backend.eval_lockstep`).
+    With `count` (this rank's number of batches) the ranks agree on the largest
+    count once, before the first batch (one all-reduce MAX); without it, each
+    batch is agreed as it comes (one small all-reduce MAX per batch: does any
+    rank still have one). The stand-in forwards run after this rank's last
+    batch went through the loop; what they compute is discarded by
+    `stand_in`. Every rank raises the same error when a rank has no batch to
+    stand in while others have some.
+    """
+    last: Any = None
+    if count is not None:
+        agreed = backend.reduce(torch.tensor([count, -count], dtype=torch.int64, device=backend.device), "max", domain)
+        most, fewest = (int(v) for v in agreed.tolist())
+        if -fewest == 0 and most > 0:
+            raise ValueError(_no_batch(split))
+        for batch in batches:
+            last = batch
+            yield batch
+        for _ in range(most - count):
+            stand_in(last)
+        return
+    iterator, end = iter(batches), object()
+    while True:
+        batch = next(iterator, end)
+        has = batch is not end
+        flags = torch.tensor([int(has), int(not has and last is None)], dtype=torch.int64, device=backend.device)
+        anyone, stranded = backend.reduce(flags, "max", domain).tolist()
+        if stranded and anyone:
+            raise ValueError(_no_batch(split))
+        if not anyone:
+            return
+        if has:
+            last = batch
+            yield batch
+        else:
+            stand_in(last)
+
+
+def _no_batch(split: str) -> str:
+    return (
+        f"{split} data: a rank has no batch while others have some, and this backend's forward runs collectives "
+        "every rank must join (it needs a batch to run them on); give every data rank at least one batch "
+        "(more samples, or a Dataset the engine shards)"
+    )

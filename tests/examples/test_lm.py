@@ -73,6 +73,27 @@ def test_lm_trains_with_fsdp2_on_two_ranks_and_its_loss_falls(tmp_path):
     assert final_val_loss(out) < math.log(256) - 1.0, out
 
 
+@pytest.mark.timeout(180)
+def test_lm_with_experts_on_two_ranks_evaluates_unequal_shards_to_the_end(tmp_path):
+    # Every mixture-of-experts forward runs all-to-alls over the expert group; the validation shards of
+    # the tiny corpus differ by a batch (7 and 6 here), which hung until the timeout before the backend
+    # asked for stand-in forwards (Backend.eval_lockstep).
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import lm
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    _, val, _ = lm.stdlib_corpus(lm.DataConfig(max_bytes=200000))
+    sequences, batch = (len(val) - 1) // 32, 16
+    shards = [-(-len(range(rank, sequences, 2)) // batch) for rank in (0, 1)]  # batches per data rank
+    overrides = ["nproc=2", "engine.backend=mesh", "mesh.shard=2", "mesh.expert=2", "model.n_experts=4"]
+    out = run(tmp_path, "engine.steps=4", f"engine.eval.batch_size={batch}", *overrides)
+    assert "mesh(rank=0/2, shard=2 x expert=2" in out
+    assert math.isfinite(final_val_loss(out)), out
+    if shards[0] == shards[1]:  # another Python's standard library: the run still ends, the case is not shown
+        pytest.skip(f"the validation shards are equal here ({shards}); the run evaluated to the end")
+
+
 def test_model_parts_the_backends_use():
     sys.path.insert(0, str(ROOT / "examples"))
     try:

@@ -504,6 +504,19 @@ class MeshBackend(DDPBackend):
         """
         return self._gathered() if self._fsdp_modules else NULL_CONTEXT
 
+    def eval_lockstep(self, engine: Engine) -> Domain | None:
+        """The data domain with expert axes: every mixture-of-experts forward runs all-to-alls on its expert group.
+
+        The expert groups are made of data (x context) ranks, whose exact
+        evaluation shards may differ by a batch; no parameter held gathered
+        avoids the exchange of tokens. Agreeing over the data domain covers
+        every expert group (context ranks of one data rank read the same
+        batches). A context axis alone needs nothing: evaluation runs whole
+        sequences on each context rank, with no collective in its forward but
+        FSDP2's gathers, which `evaluation()` holds.
+        """
+        return "data" if self.expert_mesh is not None and self.data_size > 1 else None
+
     @contextlib.contextmanager
     def _gathered(self) -> Iterator[None]:
         modules = self._fsdp_modules
