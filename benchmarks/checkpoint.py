@@ -31,7 +31,9 @@ Every figure is a ratio within one run, per repeat, reported as the median and t
   `Engine.fit` and faulted in while training goes on (how long that took is printed), and,
   for information, without: a save before any step, as every first save was before; the mean time of
   the steps that start while the background write runs, over the median of the steps just
-  before the save (each write is one sample);
+  before the save (each write is one sample), and how long the write took (to the end of the
+  step that saw it done). The writer is paced as `Checkpoint`'s default (`async_write_share`,
+  or --share); --full-speed-too adds the same measures for an unpaced write (share 1);
 - the background write's CPU time (all threads, user + system, nothing else running in the
   process) per GB: what the steps lose to it when the loop keeps every core busy; a figure
   that load elsewhere on the machine changes little, unlike the step ratio;
@@ -91,7 +93,11 @@ def build_model(params_millions: float) -> tuple[torch.nn.Module, torch.optim.Op
 
 
 def build(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, async_mode: str, share: float | None = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: Path,
+    async_mode: str,
+    share: float | None = None,
 ):
     shared = {} if share is None else {"async_write_share": share}
     checkpoint = Checkpoint(dir=str(directory), async_mode=async_mode, interval=0, save_on_fit_end=False, **shared)

@@ -372,9 +372,7 @@ class Checkpoint(Callback):
         if config.async_mode == "async" and self._writes and not self._store_async:
             if self._writer is None:
                 # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
-                self._writer = AsyncWriter(
-                    self._commit, supersede=not self._collective, share=config.async_write_share
-                )
+                self._writer = AsyncWriter(self._commit, supersede=not self._collective, share=config.async_write_share)
             self._writer.start()
             if self._reserving is None and not self._writer.staged:
                 self._reserving = engine.on(Event.ON_STEP_END)(self._reserve_staging)
