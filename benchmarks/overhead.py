@@ -190,6 +190,28 @@ def worker(kind: str, workload: str, callbacks: int) -> dict:
     return {"us_per_step": elapsed / steps * 1e6, "params": param_hash(model)}
 
 
+def block_runner(data: list, block: int, loops: dict, engines: dict):
+    """`run(name)`: the seconds of one block of `block` steps of a hand-written loop or an engine's fit.
+
+    The hand-written loops take the next `block` batches of `data` (cycling);
+    an engine trains `block` more steps on its own data.
+    """
+    position = 0
+
+    def run(name: str) -> float:
+        nonlocal position
+        batches = data[position : position + block]
+        position = (position + block) % (len(data) - block)
+        started = time.perf_counter()
+        if name in loops:
+            loops[name](batches)
+        else:
+            engines[name].fit(steps=block)
+        return time.perf_counter() - started
+
+    return run
+
+
 def callback_blocks(callbacks: int, rounds: int, block: int = 100) -> dict:
     """The cost of `callbacks` no-op callbacks measured in one process, in interleaved blocks.
 
@@ -221,22 +243,11 @@ def callback_blocks(callbacks: int, rounds: int, block: int = 100) -> dict:
         )
         for name, cbs in (("cadence", []), ("callbacks", hooked))
     }
-    raw, hand = raw_loop(model, optimizer), hooked_loop(model, optimizer, callbacks)
-
-    position = 0
+    loops = {"raw": raw_loop(model, optimizer), "hand": hooked_loop(model, optimizer, callbacks)}
+    timed = block_runner(data, block, loops, engines)
 
     def run(name: str) -> float:
-        nonlocal position
-        batches = data[position : position + block]
-        position = (position + block) % (len(data) - block)
-        started = time.perf_counter()
-        if name == "raw":
-            raw(batches)
-        elif name == "hand":
-            hand(batches)
-        else:
-            engines[name].fit(steps=block)
-        return (time.perf_counter() - started) / block * 1e6
+        return timed(name) / block * 1e6
 
     names = ["raw", "hand", "cadence", "callbacks"]
     for name in names:  # warm every path up
@@ -284,19 +295,7 @@ def sinks_blocks(rounds: int, block: int = 1000) -> dict:
         )
         for name, cbs in (("cadence", []), ("sinks", default_callbacks()))
     }
-    raw = raw_loop(model, optimizer)
-    position = 0
-
-    def run(name: str) -> float:
-        nonlocal position
-        batches = data[position : position + block]
-        position = (position + block) % (len(data) - block)
-        started = time.perf_counter()
-        if name == "raw":
-            raw(batches)
-        else:
-            engines[name].fit(steps=block)
-        return time.perf_counter() - started
+    run = block_runner(data, block, {"raw": raw_loop(model, optimizer)}, engines)
 
     names = ["raw", "cadence", "sinks"]
     for name in names:  # warm every path up
