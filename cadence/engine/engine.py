@@ -645,15 +645,13 @@ class Engine:
                     count = batch_size(self.batch)
                     self.batch_indices, seen = indices[seen : seen + count], seen + count
                 if staged is not None:
-                    inputs = self.batch[0] if isinstance(self.batch, (tuple, list)) else self.batch
-                    self.outputs = staged(inputs)[0]
+                    self.outputs = staged(_inputs(self.batch))[0]
                     self.fire(Event.ON_PREDICT_BATCH)
                     if self.outputs is not None:
                         outputs.append(self.outputs)
                     continue
                 with self.backend.autocast():
-                    inputs = self.batch[0] if isinstance(self.batch, (tuple, list)) else self.batch
-                    self.outputs = self.wrapped_model(inputs)
+                    self.outputs = self.wrapped_model(_inputs(self.batch))
                 self.fire(Event.ON_PREDICT_BATCH)
                 outputs.append(self.outputs)
             self.batch_indices = None
@@ -676,9 +674,7 @@ class Engine:
 
     def _stand_in_forward(self, staged: Any, evaluating: bool, batch: Any) -> None:
         """The forward `evaluate()` / `predict()` runs per batch, on `batch`, its outputs and logged values discarded."""
-        batch = self._place(batch)
-        if not evaluating:
-            batch = batch[0] if isinstance(batch, (tuple, list)) else batch
+        batch = self._place(batch) if evaluating else _inputs(self._place(batch))
         outputs, active = self.outputs, self._active_metrics
         self._active_metrics = MetricStore()  # engine.log calls made in eval_fn or forward: dropped
         try:
@@ -917,6 +913,11 @@ def _split_name(split: Any) -> str:
             "'split.metric') other than 'train' and 'predict' (e.g. 'val', 'test', 'train_eval')"
         )
     return split
+
+
+def _inputs(batch: Any) -> Any:
+    """What `predict()` feeds the model: a batch's first element when it is a tuple or list (inputs, targets)."""
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
 def _eval_sets(eval_data: Any) -> dict[str, Any]:

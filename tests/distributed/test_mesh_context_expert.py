@@ -229,19 +229,24 @@ def save_resume_experts(directory: str) -> dict:
 
 def test_expert_2_saves_resumes_bitwise_and_loads_on_one_process(tmp_path):
     # Through the engine and the Checkpoint callback with the mesh backend's store.
-    from cadence.callbacks import Checkpoint
-
     directory = str(tmp_path / "checkpoints")
     got = launch(save_resume_experts, directory, nprocs=2, start_method="fork", timeout=100)
     assert got["store"] == "DCPStore" and got["stopped_at"] == 3 and got["resumed_to"] == STEPS
     assert torch.equal(got["resumed"], got["straight"])  # bitwise
-    # One process (a mesh of one, every expert local) loads the expert-sharded checkpoint's weights.
+    assert_loads_on_one_process(tmp_path, directory, got["saved"])
+
+
+def assert_loads_on_one_process(tmp_path, directory: str, saved: torch.Tensor) -> None:
+    """One process (a mesh of one, every expert whole) loads an expert-sharded checkpoint's weights:
+    plain keys, global shapes, the saved values."""
+    from cadence.callbacks import Checkpoint
+
     pretrained = Checkpoint(dir=str(tmp_path / "one"), interval=0, pretrained=f"{directory}/latest")
     engine = make_engine(model_config(n_experts=4), "mesh", 4, [pretrained], seed=5)
     try:
         engine.fit(steps=0)
         assert not hasattr(engine.model.layers[0].feed_forward.w1, "placements")
-        assert torch.equal(flat(engine.model), got["saved"])
+        assert torch.equal(flat(engine.model), saved)
     finally:
         engine.close()
     assert not dist.is_initialized()

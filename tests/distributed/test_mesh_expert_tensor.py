@@ -25,6 +25,7 @@ from tests.distributed.test_mesh_context_expert import (
     NaNInExpert,
     _collect_before_forking,  # noqa: F401  (an autouse fixture: collect before each launch forks)
     _setup_error,
+    assert_loads_on_one_process,
     flat,
     lm,
     make_engine,
@@ -114,16 +115,7 @@ def test_expert_tensor_2_equals_one_process_and_resumes_bitwise(tmp_path):
     # Through the engine and the Checkpoint callback (DCP store): stopped at 3 and resumed is bitwise.
     assert got["stopped_at"] == 3 and got["resumed_to"] == STEPS
     assert torch.equal(got["resumed"], got["straight"])
-    # One process (a mesh of one: every expert whole) loads the checkpoint's weights: plain keys, global shapes.
-    pretrained = Checkpoint(dir=str(tmp_path / "one"), interval=0, pretrained=f"{directory}/latest")
-    engine = make_engine(model_config(n_experts=4), "mesh", 4, [pretrained], seed=5)
-    try:
-        engine.fit(steps=0)
-        assert not hasattr(engine.model.layers[0].feed_forward.w1, "placements")
-        assert torch.equal(flat(engine.model), got["saved"])
-    finally:
-        engine.close()
-    assert not dist.is_initialized()
+    assert_loads_on_one_process(tmp_path, directory, got["saved"])
 
 
 @pytest.mark.slow
