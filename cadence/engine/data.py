@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import random
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -31,6 +33,10 @@ class DataConfig:
         pin_memory: pin host memory for faster copies to CUDA.
         persistent_workers: keep workers alive across epochs.
         prefetch_factor: batches loaded in advance per worker (num_workers > 0 only).
+        multiprocessing_context: how workers start: "fork", "spawn" or "forkserver"; None is
+            multiprocessing's default (fork on Linux before Python 3.14). "forkserver" pickles the
+            dataset to each worker; it avoids the fork hang of older Pythons in distributed runs
+            (see `fork_can_deadlock`).
     """
 
     batch_size: int = attrs.field(default=32, validator=attrs.validators.ge(1))
@@ -40,6 +46,9 @@ class DataConfig:
     pin_memory: bool = False
     persistent_workers: bool = False
     prefetch_factor: int | None = None
+    multiprocessing_context: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(("fork", "spawn", "forkserver")))
+    )
 
 
 class DataSource:
@@ -90,6 +99,7 @@ class DataSource:
         self._replay_start: dict[str, Any] | None = None
         if self.replays:
             _warn_if_inexact(self.loader)
+        _warn_if_fork_can_hang(self.loader, split)
 
     def _build(self, dataset: Any, config: DataConfig, rank: int, size: int, pin_device: str) -> Any:
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -120,6 +130,8 @@ class DataSource:
             kwargs["persistent_workers"] = config.persistent_workers
             if config.prefetch_factor is not None:
                 kwargs["prefetch_factor"] = config.prefetch_factor
+            if config.multiprocessing_context is not None:
+                kwargs["multiprocessing_context"] = config.multiprocessing_context
         if self.generator is None and config.num_workers > 0:
             # Worker seeds are drawn from the loader's generator: own one so
             # they follow the run's seed too.
@@ -393,6 +405,42 @@ def _warn_if_inexact(loader: Any) -> None:
             "draws inside the dataset (augmentation) and the order drawn at the epoch's start differ from the "
             "uninterrupted run's. For an exact resume pass persistent_workers=False"
         )
+
+
+def fork_can_deadlock(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
+    """Whether this CPython can hang a child forked while another thread creates a thread state.
+
+    A C++ thread that calls into Python (a gloo or NCCL worker thread dropping
+    a tensor that Python let go of first) takes the interpreter's thread-list
+    lock without the GIL; a child forked at that moment waits for it forever
+    in `os.fork` (CPython gh-112275), fixed in 3.10.15, 3.11.10 and 3.12.
+    """
+    return version < (3, 10, 15) or (3, 11) <= version < (3, 11, 10)
+
+
+_warned_fork: set[str] = set()  # the splits already warned about, once per process
+
+
+def _warn_if_fork_can_hang(loader: Any, split: str) -> None:
+    """Say at setup when a loader will fork its workers each epoch beside distributed threads on such a Python."""
+    if split in _warned_fork or getattr(loader, "num_workers", 0) == 0 or getattr(loader, "persistent_workers", False):
+        return
+    context = getattr(loader, "multiprocessing_context", None)
+    method = context.get_start_method() if context is not None else multiprocessing.get_start_method(allow_none=True)
+    if method not in (None, "fork") or sys.platform != "linux" or not fork_can_deadlock():
+        return
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    _warned_fork.add(split)
+    logger.warning(
+        "%s data: a DataLoader forking its %d workers each epoch beside this process's distributed threads can hang "
+        "on Python %s: now and then a worker inherits a lock another thread held and waits forever in os.fork "
+        "(CPython gh-112275, fixed in 3.10.15, 3.11.10 and 3.12). Use a newer Python, or start the workers "
+        "with multiprocessing_context='forkserver' (DataLoader's argument, or the data config's)",
+        split,
+        loader.num_workers,
+        ".".join(map(str, sys.version_info[:3])),
+    )
 
 
 def _check_every_rank_has_a_batch(split: str, samples: int, ranks: int, config: DataConfig) -> None:

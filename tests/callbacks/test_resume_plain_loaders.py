@@ -11,6 +11,7 @@ import torch
 
 import cadence
 from cadence.checkpoint.file_store import FileStore
+from cadence.engine.data import fork_can_deadlock
 from tests.callbacks import checkpoint_workers as workers
 from tests.callbacks.test_resume import assert_bitwise, in_child, load
 
@@ -52,7 +53,22 @@ def test_a_plain_dataloader_resumes_exactly(
     assert_bitwise(references[(kind, num_workers)], first, resumed)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(
+    "num_workers",
+    [
+        0,
+        pytest.param(
+            2,
+            marks=pytest.mark.skipif(
+                fork_can_deadlock(),
+                reason="on this Python a DataLoader worker forked beside gloo's threads hangs now and then in os.fork "
+                "(CPython gh-112275, fixed in 3.10.15 and 3.11.10; Cadence warns at setup): about 1 run in 25 "
+                "here; workers with forkserver cost ~50 s more, and each part is tested on its own (workers on "
+                "one process above, the distributed sampler with num_workers=0)",
+            ),
+        ),
+    ],
+)
 def test_a_plain_dataloader_with_a_distributed_sampler_resumes_exactly_on_two_ranks(
     tmp_path: Path, num_workers: int
 ) -> None:

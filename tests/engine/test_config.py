@@ -563,6 +563,7 @@ DATA_FIELDS = {
     "pin_memory": st.booleans(),
     "persistent_workers": st.booleans(),
     "prefetch_factor": st.none() | positive,
+    "multiprocessing_context": st.sampled_from([None, "fork", "spawn", "forkserver"]),
 }
 data_configs = st.builds(DataConfig, **DATA_FIELDS)
 ENGINE_FIELDS = {

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
+import platform
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch._dynamo  # DDP imports it (~1.5 s): once here, not in every forked 
 
 import cadence
 from cadence.backends.ddp import DDPBackend
-from cadence.engine.data import DataConfig, DataSource, ExactShardSampler
+from cadence.engine.data import DataConfig, DataSource, ExactShardSampler, fork_can_deadlock
 from cadence.launch import launch
 from tests.conftest import tiny_dataset
 
@@ -176,3 +178,60 @@ def test_building_a_loader_shows_no_torchdata_deprecation_warning():
             loss_fn=torch.nn.functional.cross_entropy,
         )
     assert not [w for w in caught if "set_vital" in str(w.message)]
+
+
+def test_which_pythons_can_hang_a_forked_worker():
+    # CPython gh-112275: fixed in 3.10.15, 3.11.10 and 3.12.0.
+    hangs = [(3, 10, 0), (3, 10, 14), (3, 11, 0), (3, 11, 7), (3, 11, 9)]
+    fixed = [(3, 10, 15), (3, 11, 10), (3, 11, 14), (3, 12, 0), (3, 13, 5), (3, 14, 0)]
+    assert [fork_can_deadlock(v) for v in hangs] == [True] * len(hangs)
+    assert [fork_can_deadlock(v) for v in fixed] == [False] * len(fixed)
+
+
+def _fork_warnings() -> dict[str, object]:
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cadence").addHandler(handler)
+    torch.distributed.init_process_group("gloo")  # launch set the rendezvous: a process with gloo's threads
+    try:
+        heard = {}
+        for name, data, config in [
+            ("forkserver", torch.utils.data.DataLoader(IndexDataset(8), batch_size=4, num_workers=2,
+                                                       multiprocessing_context="forkserver"), DataConfig()),
+            ("persistent", torch.utils.data.DataLoader(IndexDataset(8), batch_size=4, num_workers=2,
+                                                       persistent_workers=True), DataConfig()),
+            ("built forkserver", IndexDataset(8), DataConfig(batch_size=4, num_workers=2,
+                                                             multiprocessing_context="forkserver")),
+            ("fork", torch.utils.data.DataLoader(IndexDataset(8), batch_size=4, num_workers=2), DataConfig()),
+            ("fork again", torch.utils.data.DataLoader(IndexDataset(8), batch_size=4, num_workers=1), DataConfig()),
+        ]:  # fmt: skip
+            del records[:]
+            DataSource(data, config, split="eval", seed=0)
+            heard[name] = list(records)
+        built = DataSource(
+            IndexDataset(8), DataConfig(batch_size=4, num_workers=2, multiprocessing_context="forkserver"),
+            split="train", seed=0,
+        )  # fmt: skip
+        heard["start method"] = built.loader.multiprocessing_context.get_start_method()
+        heard["built forkserver samples"] = sorted(
+            i for b in built.epoch_iter(0, fresh=True) for i in b.flatten().tolist()
+        )
+        return heard
+    finally:
+        torch.distributed.destroy_process_group()
+        logging.getLogger("cadence").removeHandler(handler)
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_that_forks_workers_beside_distributed_threads_warns_on_the_pythons_that_can_hang():
+    heard = launch(_fork_warnings, nprocs=1, start_method="fork", timeout=90)
+    assert heard["forkserver"] == heard["persistent"] == heard["built forkserver"] == []
+    assert heard["start method"] == "forkserver" and heard["built forkserver samples"] == list(range(8))
+    assert heard["fork again"] == []  # once per split and process
+    if fork_can_deadlock():
+        (message,) = heard["fork"]
+        assert "eval data" in message and "2 workers" in message and "gh-112275" in message
+        assert "multiprocessing_context='forkserver'" in message and platform.python_version() in message
+    else:
+        assert heard["fork"] == []
