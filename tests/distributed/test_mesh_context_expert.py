@@ -24,7 +24,7 @@ import torch.distributed.tensor.experimental
 
 import cadence
 from cadence.backends.mesh import MeshBackend
-from cadence.callbacks import GradClip, NonFiniteSkip
+from cadence.callbacks import Checkpoint, GradClip, NonFiniteSkip
 from cadence.launch import launch
 
 pytestmark = pytest.mark.timeout(120)
@@ -197,32 +197,32 @@ def test_mixture_of_experts_on_expert_2_equals_one_process():
     assert sum(tokens) == STEPS * 4 * SEQ * 2 * 2  # steps x samples x tokens x top-2 x layers
 
 
+def straight_stopped_resumed(config, options: dict, directory: str) -> dict:
+    """In the open process group: 6 steps straight; 3 steps saved by the mesh backend's store; resumed to 6."""
+
+    def run(callbacks, stop=None):
+        engine = make_engine(
+            config, MeshBackend(**options, timeout=30), 2, [GradClip(max_norm=0.5), *callbacks],
+            seed=dist.get_rank(), shuffle=True, steps=STEPS,
+        )  # fmt: skip
+        if stop is not None:
+            engine.on(cadence.Event.ON_BEFORE_OPTIMIZER_STEP, once=stop)(lambda e: e.request_stop("test"))
+        with engine:
+            engine.fit()
+            return engine.state.step, flat(engine.model), type(engine.backend.checkpoint_store(engine)).__name__
+
+    out = {}
+    _, out["straight"], _ = run([])
+    out["stopped_at"], out["saved"], out["store"] = run([Checkpoint(dir=directory, interval=0)], stop=3)
+    resumed = Checkpoint(dir=f"{directory}-resumed", interval=0, resume=f"{directory}/latest")
+    out["resumed_to"], out["resumed"], _ = run([resumed])
+    return out
+
+
 def save_resume_experts(directory: str) -> dict:
-    """Uninterrupted 6 steps; 3 steps saved by the store; resumed from it to 6 (one process group for all)."""
-    from cadence.callbacks import Checkpoint
-
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
-        config, out = model_config(n_experts=4), {}
-
-        def run(callbacks, stop=None):
-            backend = MeshBackend(shard=2, expert=2, timeout=30)
-            engine = make_engine(
-                config, backend, 2, [GradClip(max_norm=0.5), *callbacks], seed=rank, shuffle=True, steps=STEPS
-            )
-            if stop is not None:
-                engine.on(cadence.Event.ON_BEFORE_OPTIMIZER_STEP, once=stop)(lambda e: e.request_stop("test"))
-            with engine:
-                engine.fit()
-                return engine.state.step, flat(engine.model), engine.backend.checkpoint_store(engine)
-
-        _, out["straight"], _ = run([])
-        out["stopped_at"], out["saved"], store = run([Checkpoint(dir=directory, interval=0)], stop=3)
-        out["store"] = type(store).__name__
-        resumed = Checkpoint(dir=f"{directory}-resumed", interval=0, resume=f"{directory}/latest")
-        out["resumed_to"], out["resumed"], _ = run([resumed])
-        return out
+        return straight_stopped_resumed(model_config(n_experts=4), {"shard": 2, "expert": 2}, directory)
     finally:
         dist.destroy_process_group()
 
@@ -239,8 +239,6 @@ def test_expert_2_saves_resumes_bitwise_and_loads_on_one_process(tmp_path):
 def assert_loads_on_one_process(tmp_path, directory: str, saved: torch.Tensor) -> None:
     """One process (a mesh of one, every expert whole) loads an expert-sharded checkpoint's weights:
     plain keys, global shapes, the saved values."""
-    from cadence.callbacks import Checkpoint
-
     pretrained = Checkpoint(dir=str(tmp_path / "one"), interval=0, pretrained=f"{directory}/latest")
     engine = make_engine(model_config(n_experts=4), "mesh", 4, [pretrained], seed=5)
     try:

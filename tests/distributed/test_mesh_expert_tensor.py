@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import cadence
 from cadence.backends.mesh import MeshBackend
-from cadence.callbacks import Checkpoint, GradClip, NonFiniteSkip
+from cadence.callbacks import GradClip, NonFiniteSkip
 from cadence.launch import launch
 from tests.distributed.test_mesh_context_expert import (
     NAN_STEP,
@@ -31,6 +31,7 @@ from tests.distributed.test_mesh_context_expert import (
     make_engine,
     model_config,
     one_process,
+    straight_stopped_resumed,
     token_data,
 )
 
@@ -61,24 +62,8 @@ def train_and_resume(options: dict, directory: str | None) -> dict:
                 placements=(str(w1.placements), str(w2.placements)),
                 mesh=backend.expert_mesh.mesh.tolist(),
             )
-        if directory is None:
-            return out
-
-        def run(callbacks, stop=None):
-            backend = MeshBackend(**options, timeout=30)
-            engine = make_engine(
-                config, backend, 2, [GradClip(max_norm=0.5), *callbacks], seed=rank, shuffle=True, steps=STEPS
-            )
-            if stop is not None:
-                engine.on(cadence.Event.ON_BEFORE_OPTIMIZER_STEP, once=stop)(lambda e: e.request_stop("test"))
-            with engine:
-                engine.fit()
-                return engine.state.step, flat(engine.model)
-
-        _, out["straight"] = run([])
-        out["stopped_at"], out["saved"] = run([Checkpoint(dir=directory, interval=0)], stop=3)
-        resumed = Checkpoint(dir=f"{directory}-resumed", interval=0, resume=f"{directory}/latest")
-        out["resumed_to"], out["resumed"] = run([resumed])
+        if directory is not None:
+            out.update(straight_stopped_resumed(config, options, directory))
         return out
     finally:
         dist.destroy_process_group()
