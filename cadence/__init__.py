@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from cadence.engine.bus import CadenceError, Handle, HookError, OrderError
     from cadence.engine.callback import Callback
     from cadence.engine.config import ConfigError
-    from cadence.engine.control import Requests
+    from cadence.engine.control import Requests, RequestTimingError
     from cadence.engine.data import DataConfig
     from cadence.engine.engine import Engine, EngineConfig
     from cadence.engine.events import Event
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 _ENGINE = {
     "Backend": "cadence.engine.backend", "CadenceError": "cadence.engine.bus", "Handle": "cadence.engine.bus", "HookError": "cadence.engine.bus",
     "OrderError": "cadence.engine.bus", "Callback": "cadence.engine.callback", "ConfigError": "cadence.engine.config",
-    "Requests": "cadence.engine.control", "DataConfig": "cadence.engine.data", "Engine": "cadence.engine.engine",
+    "Requests": "cadence.engine.control", "RequestTimingError": "cadence.engine.control", "DataConfig": "cadence.engine.data", "Engine": "cadence.engine.engine",
     "EngineConfig": "cadence.engine.engine", "Event": "cadence.engine.events", "Order": "cadence.engine.order",
     "State": "cadence.engine.state", "seed_everything": "cadence.engine.state",
 }  # fmt: skip
@@ -51,6 +51,7 @@ __all__ = [
     "HookError",
     "Order",
     "OrderError",
+    "RequestTimingError",
     "Requests",
     "State",
     "__version__",

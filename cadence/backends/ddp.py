@@ -126,6 +126,7 @@ class DDPBackend(LocalBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
+        self._overlapped = OverlappedAgreement()
         self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name)
         self.units_fn = units_fn
         self.ft: FaultTolerance | None = None
@@ -230,6 +231,7 @@ class DDPBackend(LocalBackend):
         # it must not be kept alive by us either.
         if self.ft is not None:
             self.ft.shutdown()
+        self._overlapped.close(destroy=not self.created_group)
         self._wrapped, self.group = None, None
         if self.created_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -240,7 +242,7 @@ class DDPBackend(LocalBackend):
     def step_plan(self, engine: Engine) -> StepPlan:
         plan = super().step_plan(engine)
         if self.ft is None:
-            return plan
+            return self._with_overlapped_agreement(plan)
         import attrs
 
         # One process per replica group: no control request to agree with anyone (the mesh
@@ -331,6 +333,15 @@ class DDPBackend(LocalBackend):
             self._agree_host.copy_(self._agree_device)  # type: ignore[union-attr]
         requests.accept(view[:])
 
+    def _with_overlapped_agreement(self, plan: StepPlan) -> StepPlan:
+        """`plan` with `agree_start` / `agree_finish` on a gloo group of the optimizer domain's ranks (more than one)."""
+        if self.world_size == 1 or plan.agree is None:
+            return plan
+        import attrs
+
+        self._overlapped.join(self.group, self.timeout)
+        return attrs.evolve(plan, agree_start=self._overlapped.start, agree_finish=self._overlapped.finish)
+
     def _allocate_agreement(self, slots: int) -> None:
         # Grows when a callback registers a request kind; every rank registers
         # the same kinds, so every rank's buffer has the same size.
@@ -369,6 +380,55 @@ class DDPBackend(LocalBackend):
         pg = dist.get_backend(self.group) if self.group is not None and dist.is_initialized() else "uninitialized"
         ft = f", {self.ft.describe()}" if self.ft is not None else ""
         return f"ddp(rank={self.rank}/{self.world_size}, {pg}, device={self.device}{ft})"
+
+
+class OverlappedAgreement:
+    """The step's agreement sent without waiting: one MAX all-reduce on a gloo group of its own.
+
+    `start` writes what is pending into a CPU buffer and launches the
+    all-reduce (`async_op=True`) right after `on_step_start`; `finish` waits
+    for it before the optimizer step. In between the ranks run forward and
+    backward, whose own collectives bring them together, so the all-reduce is
+    done by then and no rank waits at the agreement for another one to get
+    there. Its own group keeps it out of the training collectives' order; a
+    gloo group on CPU tensors needs no device sync under NCCL either.
+    """
+
+    def __init__(self) -> None:
+        self.group: Any = None
+        self.members: Any = None  # the group it was made for
+        self.work: Any = None
+        self.buffer: torch.Tensor | None = None
+        self.view: Any = None
+
+    def join(self, group: Any, timeout: timedelta) -> None:
+        """Make the gloo group over `group`'s ranks (once; every rank calls this at the same point)."""
+        if self.group is not None and self.members is group:
+            return
+        ranks = dist.get_process_group_ranks(group)
+        self.group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        self.members = group
+
+    def start(self, requests: Requests) -> None:
+        slots = len(requests.pending)
+        if self.buffer is None or self.buffer.numel() != slots or self.work is not None:
+            # A new kind grew the vector, or a step left early kept its all-reduce out: a fresh buffer.
+            self.work = None
+            self.buffer = torch.zeros(slots, dtype=torch.int64)
+            self.view = (ctypes.c_int64 * slots).from_address(self.buffer.data_ptr())
+        self.view[:] = requests.pending
+        self.work = dist.all_reduce(self.buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def finish(self, requests: Requests) -> None:
+        work, self.work = self.work, None
+        work.wait()
+        requests.accept(self.view[:])
+
+    def close(self, destroy: bool) -> None:
+        """Let go of the group (destroying it when nobody destroys every group)."""
+        group, self.group, self.members, self.work = self.group, None, None, None
+        if destroy and group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
 
 
 def _buffer_sync_option(sync: bool) -> dict[str, bool]:

@@ -257,7 +257,7 @@ class DeepSpeedBackend(DDPBackend):
     # -- the step ---------------------------------------------------------
 
     def step_plan(self, engine: Engine) -> StepPlan:
-        return StepPlan(
+        plan = StepPlan(
             schedule=None,
             to_device=self.to_device if self.moves_batches else None,
             autocast=NULL_CONTEXT,
@@ -269,6 +269,7 @@ class DeepSpeedBackend(DDPBackend):
             skip_step=self._skip,
             zero_grad=None,  # DeepSpeed zeroes in its step
         )
+        return self._with_overlapped_agreement(plan)
 
     @property
     def moves_batches(self) -> bool:

@@ -54,8 +54,9 @@ class Preemption(Callback):
     nothing) it installs handlers for the preemption signals, keeping the
     previous ones: each signal still reaches the previous handler if that is
     a Python function, and the previous handlers are put back at teardown.
-    The handler only sets a flag. Before the next optimizer step the callback
-    raises the "preempt" request (value `world_size - rank`, so the lowest
+    The handler only sets a flag. At the next step's start (or, when the
+    step's agreement runs after `on_before_optimizer_step`, in that hook) the
+    callback raises the "preempt" request (value `world_size - rank`, so the lowest
     signalled rank is known) with a `save` and a `stop` request; the step's
     agreement makes every rank see them at the same step, the `Checkpoint`
     callback (order 100) saves at that step's save point (after its
@@ -85,6 +86,8 @@ class Preemption(Callback):
     """
 
     order = Order.PREEMPTION
+    # It requests in on_before_optimizer_step only when the step is agreed after it anyway.
+    requests_in_step = False
 
     def __init__(self, config: PreemptionConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(PreemptionConfig, config, kwargs, "preemption")
@@ -154,7 +157,14 @@ class Preemption(Callback):
 
     # -- the loop -------------------------------------------------------------
 
+    def on_step_start(self, engine: Engine) -> None:
+        self._request(engine)  # before the step's agreement goes out
+
     def on_before_optimizer_step(self, engine: Engine) -> None:
+        if not engine.requests.in_step:  # the step is agreed after this hook: a signal of this step still makes it
+            self._request(engine)
+
+    def _request(self, engine: Engine) -> None:
         if self.received is None or self._requested:
             return
         self._requested = True

@@ -86,6 +86,12 @@ class StepPlan:
             (no arguments), or None: nothing to do then.
         zero_grad: clears the gradients (no arguments; to None), or None when
             the optimizer step already did (DeepSpeed).
+        agree_start, agree_finish: the agreement overlapped with the step:
+            `agree_start` sends what is pending right after `on_step_start`
+            without waiting, `agree_finish` waits for it before the optimizer
+            step and accepts the result. The loop uses them instead of `agree`
+            while no callback requests inside the step; None (both): the loop
+            calls `agree` there, or accepts itself with no other rank.
     """
 
     schedule: Callable[[Engine, Sequence[Any]], None] | None
@@ -98,6 +104,8 @@ class StepPlan:
     optimizer_step: Callable[[], Any]
     skip_step: Callable[[], None] | None
     zero_grad: Callable[[], None] | None
+    agree_start: Callable[[Requests], None] | None = None
+    agree_finish: Callable[[Requests], None] | None = None
 
 
 class Backend:
@@ -173,6 +181,8 @@ class Backend:
             backward=self.backward if self._overrides("backward") else None,
             finish_gradients=self.finish_gradients if self._overrides("finish_gradients") else None,
             agree=self.agree if self._overrides("agree") else None,
+            agree_start=self.agree_start if self._overrides("agree_start") else None,
+            agree_finish=self.agree_finish if self._overrides("agree_finish") else None,
             optimizer_step=(
                 single.step
                 if single is not None and not self._overrides("optimizer_step")
@@ -369,6 +379,17 @@ class Backend:
         """
         if requests.any_pending or requests.any_agreed:
             requests.accept(requests.pending)
+
+    def agree_start(self, requests: Requests) -> None:
+        """Start agreeing what is pending, without waiting (overlapped with the step's forward and backward).
+
+        Called right after `on_step_start` on every rank, while no callback
+        requests inside the step; `agree_finish` ends it before the optimizer
+        step. A backend overrides both or neither (then `agree` is used).
+        """
+
+    def agree_finish(self, requests: Requests) -> None:
+        """Wait for the agreement `agree_start` began and accept its result, as `agree` would."""
 
     def barrier(self, timeout: float | None = None) -> None:
         """Wait for every rank."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from cadence.engine.callback import Callback, overridden_hooks
@@ -238,6 +238,19 @@ class EventBus:
             return self.add(handler)
 
         return register
+
+    def listeners(self, events: Iterable[Event]) -> list[Any]:
+        """The registered callbacks (and function handlers) with a hook on any of `events`, in order."""
+        wanted = set(events)
+        return [
+            callback
+            for callback in self.ordered
+            if (
+                callback.event in wanted
+                if isinstance(callback, FunctionHandler)
+                else wanted & set(overridden_hooks(callback))
+            )
+        ]
 
     # -- order ------------------------------------------------------------
 

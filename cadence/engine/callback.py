@@ -40,6 +40,15 @@ class Callback:
     #: `state_key`s of callbacks this one must run after / before.
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
+    #: Whether this callback raises control requests (`request_skip`, ...) inside
+    #: the step, in `on_batch`, `on_forward`, `on_backward` or
+    #: `on_before_optimizer_step`. None (the default): it is taken to, if it
+    #: overrides one of them. While no registered callback does, the step's
+    #: requests are agreed overlapped with its forward and backward; one that does
+    #: makes every step wait for the agreement before the optimizer step. Set False
+    #: on a callback that only reads there (a gradient logger), True on one that
+    #: requests there (`NonFiniteSkip`).
+    requests_in_step: ClassVar[bool | None] = None
 
     @property
     def state_key(self) -> str:

@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from cadence.engine.bus import CadenceError
+
+#: The events inside a step, between the agreement's start (after `on_step_start`)
+#: and its end (before the optimizer step).
+IN_STEP_EVENTS = ("on_batch", "on_forward", "on_backward", "on_before_optimizer_step")
+
+
+class RequestTimingError(CadenceError, RuntimeError):
+    """A control request raised inside a step whose requests were already sent for agreement."""
+
 
 class Requests:
     """Pending control requests, agreed across ranks once per step.
@@ -19,6 +29,11 @@ class Requests:
 
     After agreement, `agreed[name]` (and `engine.agreed(name)`) hold the values
     every rank saw; `pending` is cleared.
+
+    When the agreement is overlapped (no callback requests inside the step),
+    what is pending after `on_step_start` is sent then and agreed before the
+    optimizer step; `in_step` is True in between, and a request raised then is
+    a `RequestTimingError`.
     """
 
     BUILTIN = ("skip", "stop", "save")
@@ -33,6 +48,8 @@ class Requests:
         # nothing agreed, a single process has nothing to do at agreement.
         self.any_agreed = False
         self.reasons: dict[str, str] = {}
+        # True between an overlapped agreement's start and its end.
+        self.in_step = False
 
     def register(self, name: str) -> int:
         """Add a request kind (idempotent); returns its slot."""
@@ -50,6 +67,14 @@ class Requests:
             raise KeyError(f"unknown control request {name!r}; known: {self.names}. Register it first.") from None
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"request {name!r}: value must be an int >= 1, got {value!r}")
+        if self.in_step:
+            raise RequestTimingError(
+                f"control request {name!r} raised inside the step ({', '.join(IN_STEP_EVENTS)}), after this "
+                "step's requests were sent for agreement: no registered callback declares `requests_in_step`, so "
+                "the agreement is overlapped with the forward and backward. Set `requests_in_step = True` on the "
+                "callback that raises it (every step then waits for the agreement before the optimizer step), or "
+                "raise it in on_step_start or after the optimizer step (it is then agreed in the next step)"
+            )
         self.pending[slot] = max(self.pending[slot], value)
         self.any_pending = True
         if reason is not None:

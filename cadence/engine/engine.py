@@ -17,7 +17,7 @@ from cadence.engine import checks, registry, rundir
 from cadence.engine import config as config_module
 from cadence.engine.backend import NULL_CONTEXT, Backend, batch_size, restore_training_mode
 from cadence.engine.bus import EventBus, Handle, callback_key
-from cadence.engine.control import Requests
+from cadence.engine.control import IN_STEP_EVENTS, Requests
 from cadence.engine.data import DataConfig, DataSource
 from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gather_outputs, in_lockstep, scalar
 from cadence.engine.events import Event
@@ -409,11 +409,19 @@ class Engine:
         plan = self.backend.step_plan(self)  # what to call per step; None: nothing (or the plain thing inline)
         schedule, to_device, sync, backward = plan.schedule, plan.to_device, plan.gradient_sync, plan.backward
         finish, agree = plan.finish_gradients, plan.agree
+        # The agreement overlapped with forward and backward: sent after on_step_start,
+        # awaited before the optimizer step. Not while a callback requests inside the step.
+        overlapped = not self._requests_in_step()
+        if plan.agree_finish is not None:  # every rank must take the same way (callbacks may differ by rank)
+            overlapped = not self.backend.reduce(torch.tensor([int(not overlapped)]), "max", "optimizer").item()
+        agree_start = plan.agree_start if overlapped and plan.agree_finish is not None else None
+        agree_finish = plan.agree_finish if agree_start is not None else None
         optimizer_step, skip_step, zero_grad = plan.optimizer_step, plan.skip_step, plan.zero_grad
         plain = plan.autocast is NULL_CONTEXT
         forward = self.compute_loss if plain else partial(_within, plan.autocast, self.compute_loss)
         feed, source, accum = self.feed, self._train_source(), self.config.grad_accum
         requests.clear_agreed()
+        requests.in_step = False
         first_step = state.step
         fire(Event.ON_FIT_START)
         # compute_loss's usual case, inlined below: loss_fn over (inputs, targets),
@@ -425,6 +433,9 @@ class Engine:
                 fire(Event.ON_EPOCH_START)
             for micro_batches in feed.steps(source, state, accum):
                 hooks[_ON_STEP_START] and fires[_ON_STEP_START](self)
+                if overlapped:
+                    agree_start is None or agree_start(requests)  # skip / stop / save / ...: one small collective
+                    requests.in_step = True
                 n = len(micro_batches)
                 if schedule is not None:  # the backend runs the micro-batches (pipeline)
                     schedule(self, micro_batches)
@@ -447,8 +458,12 @@ class Engine:
                         hooks[_ON_BACKWARD] and fires[_ON_BACKWARD](self)
                 finish is None or finish(self)  # e.g. unscale fp16 gradients
                 hooks[_ON_BEFORE_OPTIMIZER_STEP] and fires[_ON_BEFORE_OPTIMIZER_STEP](self)
-                if agree is not None:
-                    agree(requests)  # skip / stop / save / ...: one small collective
+                if overlapped:
+                    requests.in_step = False
+                if agree_finish is not None:
+                    agree_finish(requests)  # sent after on_step_start: done by now unless a rank lags
+                elif agree is not None:
+                    agree(requests)  # a callback requests inside the step: agreed here, every rank waits
                 elif requests.any_pending or requests.any_agreed:
                     requests.accept(requests.pending)  # no other rank to agree with
                 if agreed[skip]:
@@ -479,6 +494,11 @@ class Engine:
         if state.step % log_interval and state.step > first_step:
             self._log_metrics()  # the steps since the last interval: every fit ends logged
         fire(Event.ON_FIT_END)
+
+    def _requests_in_step(self) -> bool:
+        """Whether a registered callback may raise control requests inside the step (`Callback.requests_in_step`)."""
+        events = [Event(name) for name in IN_STEP_EVENTS]
+        return any(getattr(cb, "requests_in_step", None) is not False for cb in self._bus.listeners(events))
 
     def _place(self, batch: Any) -> Any:
         """A batch on the backend's device (as given when it is already there, as on CPU)."""
@@ -700,6 +720,7 @@ class Engine:
         try:
             yield
         except BaseException as exc:
+            self.requests.in_step = False  # left mid-step: on_exception may request
             clearer = checks.explain(self, exc)
             self.exception = exc if clearer is None else clearer
             for error in self._bus.fire_all(Event.ON_EXCEPTION):

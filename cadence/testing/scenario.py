@@ -104,6 +104,7 @@ class Probe(Callback):
     """Runs last on every event; records what the checks compare."""
 
     order = 10**9
+    requests_in_step = False
 
     def __init__(self, subject: Any) -> None:
         self.subject = subject

@@ -125,6 +125,62 @@ def test_agree_takes_the_max_of_every_rank_in_one_reused_buffer():
     assert per_rank[0] == per_rank[1] == [(1, 0, False), (0, True), (2, 1, 4)]
 
 
+class ReadsInStep(cadence.Callback):
+    requests_in_step = False
+
+    def __init__(self, refuse_at=None):
+        self.in_step, self.refuse_at = [], refuse_at
+
+    def on_forward(self, engine):
+        self.in_step.append(engine.requests.in_step)
+        if engine.state.step + 1 == self.refuse_at:
+            engine.request_save("inside the step")
+
+
+def test_the_overlapped_agreement_agrees_the_same_step_on_every_rank():
+    """Sent after on_step_start, awaited before the optimizer step; blocking when a callback requests in the step."""
+
+    def check():
+        out = {}
+        reads = ReadsInStep()
+        with engine_on(callbacks=[reads], train={"batch_size": 4}) as engine:
+            rank = engine.backend.rank
+            # Rank 0 asks for a save at the end of step 1, rank 1 for a stop in on_step_start of step 3.
+            engine.on(cadence.Event.ON_STEP_END, once=1, when=lambda e: rank == 0)(lambda e: e.request_save("r0"))
+            engine.on(cadence.Event.ON_STEP_START, once=3, when=lambda e: rank == 1)(lambda e: e.request_stop("r1"))
+            engine.requests.register("flag")
+            engine.on(cadence.Event.ON_STEP_START, once=2)(lambda e: e.request("flag", 5 + rank))
+            seen = []
+            engine.on(cadence.Event.ON_SAVE_POINT)(lambda e: seen.append((e.state.step, tuple(e.requests.agreed))))
+            engine.fit(steps=8)
+            out["overlapped"] = (engine.state.step, list(seen), list(reads.in_step))
+            # Both ranks raise inside an overlapped step: refused on each as itself, no rank left waiting.
+            reads.refuse_at = engine.state.step + 2
+            try:
+                engine.fit(steps=4)
+            except cadence.RequestTimingError as error:
+                out["refused"] = (engine.state.step, "'save' raised inside the step" in str(error))
+            reads.refuse_at = None
+            engine.fit(steps=1)  # the ranks are still in step with each other
+            out["after"] = engine.state.step
+            # Rank 1 only adds a function on on_before_optimizer_step (which may request there): from the next
+            # fit every rank agrees after that hook, and rank 1's skip is taken in its step on both.
+            if rank == 1:
+                engine.on(cadence.Event.ON_BEFORE_OPTIMIZER_STEP, once=7)(lambda e: e.request_skip("r1"))
+            del reads.in_step[:]
+            engine.fit(steps=3)
+            out["blocking"] = (engine.state.step, engine.state.skipped_steps, reads.in_step)
+            return engine.backend.all_gather_object(out)
+
+    for out in run(check):
+        step, seen, in_step = out["overlapped"]
+        assert step == 3 and in_step == [True, True, True]
+        # (skip, stop, save, flag): the save and the flag's MAX agreed at step 2, the stop at step 3.
+        assert seen == [(1, (0, 0, 0, 0)), (2, (0, 0, 1, 6)), (3, (0, 1, 0, 0))]
+        assert out["refused"] == (4, True) and out["after"] == 5
+        assert out["blocking"] == (8, 1, [False, False, False])
+
+
 def test_barrier_names_the_rank_that_never_arrives():
     def check():
         with engine_on() as engine:

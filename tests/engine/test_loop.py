@@ -175,6 +175,75 @@ def test_custom_request_is_agreed_and_visible():
         engine.request("nope")
 
 
+class ReadsInStep(Callback):
+    """Listens inside the step and declares it requests nothing there."""
+
+    requests_in_step = False
+
+    def __init__(self, request_at=None):
+        self.in_step, self.request_at = [], request_at
+
+    def on_forward(self, engine):
+        self.in_step.append(engine.requests.in_step)
+        if engine.state.step + 1 == self.request_at:
+            engine.request_stop("in on_forward")
+
+
+class MayRequestInStep(Callback):
+    """Overrides a hook inside the step without saying whether it requests there."""
+
+    def on_backward(self, engine):
+        pass
+
+
+def test_the_agreement_is_overlapped_unless_a_callback_may_request_inside_the_step():
+    from cadence.callbacks import GradClip, Heartbeat, MetricUpdates, NonFiniteSkip, Preemption
+    from cadence.metrics import Accuracy
+
+    def listeners_request(*callbacks):
+        model = tiny_model()
+        engine = cadence.Engine(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(4), loss_fn=F.cross_entropy,
+            callbacks=list(callbacks),
+        )  # fmt: skip
+        return engine._requests_in_step()
+
+    assert not listeners_request()
+    assert not listeners_request(
+        ReadsInStep(), GradClip(max_norm=1.0), Heartbeat(), MetricUpdates({"accuracy": Accuracy()}), Preemption()
+    )
+    assert listeners_request(MayRequestInStep()) and listeners_request(NonFiniteSkip())
+    function_hook = engine_with()
+    function_hook.on(Event.ON_BEFORE_OPTIMIZER_STEP)(lambda e: None)
+    assert function_hook._requests_in_step()
+    outside = engine_with()
+    outside.on(Event.ON_STEP_START)(lambda e: None)
+    outside.on(Event.ON_STEP_END)(lambda e: None)
+    assert not outside._requests_in_step()
+
+    # Overlapped: `in_step` is set between on_step_start and the agreement, and a
+    # request raised there is refused, naming it, as itself (a CadenceError).
+    reads = ReadsInStep(request_at=2)
+    engine = engine_with(reads)
+    with pytest.raises(cadence.RequestTimingError, match=r"control request 'stop' raised inside the step") as info:
+        engine.fit(steps=4)
+    assert reads.in_step == [True, True] and engine.state.step == 1
+    assert "requests_in_step = True" in str(info.value)
+    assert not engine.requests.in_step  # reset on the way out: fit again works
+    reads.request_at = None
+    engine.fit(steps=1)
+    assert engine.state.step == 2
+
+    # Declared (or unknown): agreed after on_before_optimizer_step, and the same request takes effect in its step.
+    class RequestsInStep(ReadsInStep):
+        requests_in_step = True
+
+    declared = RequestsInStep(request_at=2)
+    engine = engine_with(declared)
+    engine.fit(steps=4)
+    assert declared.in_step == [False, False] and engine.state.step == 2
+
+
 def test_evaluate_is_exact_over_unequal_batches():
     model = tiny_model()
     batches = [(torch.randn(n, 8), torch.randint(0, 4, (n,))) for n in (5, 3, 8)]

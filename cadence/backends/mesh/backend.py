@@ -37,7 +37,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from cadence.backends.ddp import _OPS, DDPBackend
+from cadence.backends.ddp import _OPS, DDPBackend, OverlappedAgreement
 from cadence.backends.local import default_device
 from cadence.backends.mesh.config import MeshConfig
 from cadence.backends.mesh.pipeline import Pipeline, SplitFn, refuse_short_steps, resolve_split
@@ -128,6 +128,7 @@ class MeshBackend(DDPBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
+        self._overlapped = OverlappedAgreement()
         #: The `DeviceMesh` (dims "replicate", "shard" and "tensor" when > 1), set in setup.
         self.mesh: Any = None
         #: Every axis's resolved size.

@@ -68,6 +68,7 @@ class GradientHistogram(cadence.Callback):
     """
 
     order = Order.NON_FINITE + 5
+    requests_in_step = False  # reads gradients; requests nothing
 
     def __init__(self, config: GradientHistogramConfig | None = None, **kwargs: Any) -> None:
         if config is not None and kwargs:

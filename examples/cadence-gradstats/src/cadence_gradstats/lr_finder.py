@@ -65,6 +65,8 @@ class LRFinder(cadence.Callback):
         True
     """
 
+    requests_in_step = True  # stops in on_before_optimizer_step, in the step that ends the sweep
+
     def __init__(self, config: LRFinderConfig | None = None, **kwargs: Any) -> None:
         if config is not None and kwargs:
             raise TypeError(f"LRFinder: pass config= or keyword arguments, not both (got {sorted(kwargs)})")
