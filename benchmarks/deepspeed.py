@@ -68,10 +68,10 @@ def _model_and_data(world: int, rank: int, steps: int, device: str):
     return model, optimizer, data, micro
 
 
-def worker(kind: str, stage: int, precision: str, steps: int) -> dict:
+def _join() -> tuple:
+    """Join the process group; (rank, world size, device, a device sync)."""
     import torch
     import torch.distributed as dist
-    from torch.nn import functional as F
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -79,20 +79,37 @@ def worker(kind: str, stage: int, precision: str, steps: int) -> dict:
     device = f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
+    return rank, world, device, torch.cuda.synchronize if cuda else (lambda: None)
+
+
+def _hand_written(model, optimizer, stage: int, precision: str, micro: int):
+    """The DeepSpeed engine of the hand-written loop: the backend's config, no JIT-compiled op."""
+    import importlib
+
+    import deepspeed
+    import torch.distributed as dist
+
+    from cadence.backends.deepspeed import DeepSpeedConfig, build_config
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    ds_torch.build_shm_op = lambda: None  # as the backend does by default: no JIT compile
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+    config = build_config(DeepSpeedConfig(zero_stage=stage), precision, ACCUM, micro)
+    ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    return ds
+
+
+def worker(kind: str, stage: int, precision: str, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn import functional as F
+
+    rank, world, device, sync = _join()
     model, optimizer, data, micro = _model_and_data(world, rank, steps, device)
-    from cadence.backends.deepspeed import DeepSpeedBackend, DeepSpeedConfig, build_config
+    from cadence.backends.deepspeed import DeepSpeedBackend
 
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if kind == "raw":
-        import importlib
-
-        import deepspeed
-
-        ds_torch = importlib.import_module("deepspeed.comm.torch")
-        ds_torch.build_shm_op = lambda: None  # as the backend does by default: no JIT compile
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
-        config = build_config(DeepSpeedConfig(zero_stage=stage), precision, ACCUM, micro)
-        ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+        ds = _hand_written(model, optimizer, stage, precision, micro)
         dtype = torch.bfloat16 if precision == "bf16" else None
 
         def run(micro_batches):
@@ -136,19 +153,9 @@ def worker(kind: str, stage: int, precision: str, steps: int) -> dict:
         sync()
         elapsed = time.perf_counter() - start
         gather_from = engine.backend.ds
-    digest = hashlib.sha256()
-    params = list(gather_from.module.parameters())
-    if stage == 3:
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-        with GatheredParameters(params):
-            for p in params:
-                digest.update(p.detach().float().cpu().numpy().tobytes())
-    else:
-        for p in params:
-            digest.update(p.detach().float().cpu().numpy().tobytes())
+    params = _digest(gather_from.module, stage)
     dist.destroy_process_group()
-    return {"us_per_step": elapsed / steps * 1e6, "params": digest.hexdigest()[:16]}
+    return {"us_per_step": elapsed / steps * 1e6, "params": params}
 
 
 def _digest(module, stage: int) -> str:
@@ -166,37 +173,32 @@ def _digest(module, stage: int) -> str:
     return digest.hexdigest()[:16]
 
 
-def alternating_worker(stage: int, precision: str, steps: int, rounds: int) -> dict:
+class _InStep:
+    """--blocking: a no-op callback that says it requests inside the step (the agreement then blocks before the step)."""
+
+    requests_in_step = True
+
+    def on_before_optimizer_step(self, engine) -> None:
+        pass
+
+
+def alternating_worker(stage: int, precision: str, steps: int, rounds: int, blocking: bool = False) -> dict:
     """One launch holding both loops (two DeepSpeed engines on copies of one model), timed in alternated rounds."""
     import copy
-    import importlib
 
-    import deepspeed
     import torch
     import torch.distributed as dist
     from torch.nn import functional as F
 
     import cadence
-    from cadence.backends.deepspeed import DeepSpeedBackend, DeepSpeedConfig, build_config
+    from cadence.backends.deepspeed import DeepSpeedBackend
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rank, world, device, sync = _join()
     model, optimizer, data, micro = _model_and_data(world, rank, steps * rounds, device)
     hand_model = copy.deepcopy(model)
     hand_optimizer = torch.optim.Adam(hand_model.parameters(), lr=1e-3)
 
-    ds_torch = importlib.import_module("deepspeed.comm.torch")
-    ds_torch.build_shm_op = lambda: None  # as the backend does by default: no JIT compile
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
-    config = build_config(DeepSpeedConfig(zero_stage=stage), precision, ACCUM, micro)
-    ds, _, _, _ = deepspeed.initialize(
-        model=hand_model, optimizer=hand_optimizer, config=config, dist_init_required=False
-    )
+    ds = _hand_written(hand_model, hand_optimizer, stage, precision, micro)
     dtype = torch.bfloat16 if precision == "bf16" else None
     position = 0
 
@@ -224,6 +226,7 @@ def alternating_worker(stage: int, precision: str, steps: int, rounds: int) -> d
         train={"batch_size": micro},
         workspace=tempfile.mkdtemp(prefix="cadence-bench-"),
         log_interval=10**9,
+        callbacks=[_InStep()] if blocking else [],
     )
 
     def timed(fn) -> float:
@@ -254,8 +257,8 @@ def one_launch(args: argparse.Namespace) -> None:
     print(f"{'stage':8} {'raw us/step':>12} {'cadence us/step':>16}   pair ratio median (quartiles)   ratio of medians")
     for stage in args.stages:
         got = launch(
-            alternating_worker, stage, args.precision, args.steps, args.rounds, nprocs=2, start_method="fork",
-            timeout=3600,
+            alternating_worker, stage, args.precision, args.steps, args.rounds, args.blocking, nprocs=2,
+            start_method="fork", timeout=3600,
         )  # fmt: skip
         if not got["equal"]:
             raise SystemExit(f"ZeRO-{stage}: parameters differ between the hand-written DeepSpeed loop and Cadence")
@@ -265,6 +268,7 @@ def one_launch(args: argparse.Namespace) -> None:
         print(f"ZeRO-{stage:<3} {raw:12.0f} {ours:16.0f}   {median:.3f} ({q1:.3f}-{q3:.3f}){'':14} {ours / raw:.3f}")
     print(
         f"(W2, 2 ranks, {args.precision}, {args.rounds} alternated rounds of {args.steps} steps in one launch, "
+        f"Cadence's agreement {'before the optimizer step' if args.blocking else 'overlapped'}, "
         "parameters checked equal at the end; target <= 1.03)"
     )
 
@@ -276,6 +280,9 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[0, 1, 2, 3])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--rounds", type=int, default=21, help="alternated rounds in one launch (the default mode)")
+    parser.add_argument(
+        "--blocking", action="store_true", help="Cadence with its agreement before the optimizer step (not overlapped)"
+    )
     parser.add_argument(
         "--separate", action="store_true", help="each side in fresh processes per pair (--repeats pairs) instead"
     )

@@ -14,7 +14,9 @@ column/row split, both ranks reading the whole batch), one launch of 2 forked gl
 both loops, built from the same weights, and times them in alternated pairs of rounds:
 
 - Cadence: `Engine.fit(steps=N)` with `MeshBackend(...)` (its DataLoader and sampler, the events,
-  the step's agreement all-reduce), AdamW, no callbacks;
+  the step's agreement all-reduce, overlapped with forward and backward), AdamW, no callbacks
+  (`--blocking`: one no-op callback declaring `requests_in_step = True`, so the agreement runs,
+  blocking, before the optimizer step, as it did on every step before 2026-11-26);
 - by hand: `fully_shard` on the same units and the root over a 1-D mesh (FSDP2), or the same
   `parallelize_module` plan on a 1-D "tensor" mesh (TP); a `DataLoader` with a
   `DistributedSampler` over the data ranks; forward, loss, backward, `optimizer.step()`,
@@ -266,6 +268,15 @@ CASES = {"lm": _lm_case, "w2": _w2_case}
 LAYOUTS = {"fsdp2": {"shard": 2}, "tp": {"shard": 1, "tensor": 2}}
 
 
+class _InStep:
+    """--blocking: a no-op callback that says it requests inside the step (the agreement then blocks before the step)."""
+
+    requests_in_step = True
+
+    def on_before_optimizer_step(self, engine: Any) -> None:
+        pass
+
+
 def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str, Any]:
     """One rank: both loops on the same weights, timed in alternated pairs of rounds of `args.steps` steps."""
     import copy
@@ -296,6 +307,7 @@ def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str,
         log_interval=10**9,
         eval_every_epochs=None,
         train={"batch_size": per_rank, "drop_last": True},
+        callbacks=[_InStep()] if args.blocking else [],
     )
 
     # -- by hand --
@@ -361,7 +373,11 @@ def loop(args: argparse.Namespace) -> None:
             got = cadence.launch(loop_rank, args, workload, layout, nprocs=2, start_method="fork", timeout=3600)
             c, h = statistics.median(got["cadence"]), statistics.median(got["hand"])
             print(f"{workload + ' ' + layout:14} {c * 1e3:16.2f} {h * 1e3:16.2f}   {_spread(got['ratios']):24} <= 1.03")
-    print(f"({args.repeats} alternated pairs of rounds of {args.steps} steps each, 2 gloo ranks, 1 thread each)")
+    way = "before the optimizer step (--blocking)" if args.blocking else "overlapped"
+    print(
+        f"({args.repeats} alternated pairs of rounds of {args.steps} steps each, 2 gloo ranks, 1 thread each; "
+        f"Cadence's agreement {way})"
+    )
 
 
 def _spread(values: list[float]) -> str:
@@ -376,6 +392,9 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["fsdp2", "tp"], help="loop: layouts")
     parser.add_argument("--gb", type=float, default=1.2, help="DCP: gigabytes of sharded state in all (default 1.2)")
     parser.add_argument("--repeats", type=int, default=None, help="pairs (default: loop 7, dcp 5)")
+    parser.add_argument(
+        "--blocking", action="store_true", help="loop: Cadence's agreement before the optimizer step (not overlapped)"
+    )
     parser.add_argument("--dir", default=None, help="a folder on the disk to measure (default: a temp folder here)")
     args = parser.parse_args()
     print("load average (1, 5, 15 min) at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
