@@ -99,52 +99,62 @@ def _hand_written(model, optimizer, stage: int, precision: str, micro: int):
     return ds
 
 
-def worker(kind: str, stage: int, precision: str, steps: int) -> dict:
+def _hand_steps(ds, micro_batches, precision: str) -> None:
+    """The hand-written loop's steps over `micro_batches` (ACCUM per step)."""
     import torch
-    import torch.distributed as dist
     from torch.nn import functional as F
+
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    for i in range(0, len(micro_batches), ACCUM):
+        for x, y in micro_batches[i : i + ACCUM]:
+            if dtype is not None:
+                x = x.to(dtype)
+            loss = F.cross_entropy(ds(x), y)
+            ds.backward(loss / ACCUM, scale_wrt_gas=False)
+        ds.step()
+
+
+def _cadence_engine(model, optimizer, data, stage: int, precision: str, micro: int, **options):
+    """Cadence on the DeepSpeed backend, as the hand-written loop's engine is configured."""
+    import tempfile
+
+    from torch.nn import functional as F
+
+    import cadence
+    from cadence.backends.deepspeed import DeepSpeedBackend
+
+    return cadence.Engine(
+        model,
+        optimizer,
+        data,
+        loss_fn=F.cross_entropy,
+        backend=DeepSpeedBackend(zero_stage=stage, precision=precision),
+        seed=0,
+        grad_accum=ACCUM,
+        train={"batch_size": micro},
+        workspace=tempfile.mkdtemp(prefix="cadence-bench-"),
+        **options,
+    )
+
+
+def worker(kind: str, stage: int, precision: str, steps: int) -> dict:
+    import torch.distributed as dist
 
     rank, world, device, sync = _join()
     model, optimizer, data, micro = _model_and_data(world, rank, steps, device)
-    from cadence.backends.deepspeed import DeepSpeedBackend
 
     if kind == "raw":
         ds = _hand_written(model, optimizer, stage, precision, micro)
-        dtype = torch.bfloat16 if precision == "bf16" else None
-
-        def run(micro_batches):
-            for i in range(0, len(micro_batches), ACCUM):
-                for x, y in micro_batches[i : i + ACCUM]:
-                    if dtype is not None:
-                        x = x.to(dtype)
-                    loss = F.cross_entropy(ds(x), y)
-                    ds.backward(loss / ACCUM, scale_wrt_gas=False)
-                ds.step()
-
-        run(data[: WARMUP * ACCUM])
+        _hand_steps(ds, data[: WARMUP * ACCUM], precision)
         dist.barrier()
         sync()
         start = time.perf_counter()
-        run(data[WARMUP * ACCUM :])
+        _hand_steps(ds, data[WARMUP * ACCUM :], precision)
         sync()
         elapsed = time.perf_counter() - start
         gather_from = ds
     else:
-        import tempfile
-
-        import cadence
-
-        engine = cadence.Engine(
-            model,
-            optimizer,
-            data,
-            loss_fn=F.cross_entropy,
-            backend=DeepSpeedBackend(zero_stage=stage, precision=precision),
-            seed=0,
-            grad_accum=ACCUM,
-            train={"batch_size": micro},
-            workspace=tempfile.mkdtemp(prefix="cadence-bench-"),
-        )
+        engine = _cadence_engine(model, optimizer, data, stage, precision, micro)
         engine.fit(steps=WARMUP)
         dist.barrier()
         sync()
@@ -188,10 +198,6 @@ def alternating_worker(stage: int, precision: str, steps: int, rounds: int, bloc
 
     import torch
     import torch.distributed as dist
-    from torch.nn import functional as F
-
-    import cadence
-    from cadence.backends.deepspeed import DeepSpeedBackend
 
     rank, world, device, sync = _join()
     model, optimizer, data, micro = _model_and_data(world, rank, steps * rounds, device)
@@ -199,34 +205,15 @@ def alternating_worker(stage: int, precision: str, steps: int, rounds: int, bloc
     hand_optimizer = torch.optim.Adam(hand_model.parameters(), lr=1e-3)
 
     ds = _hand_written(hand_model, hand_optimizer, stage, precision, micro)
-    dtype = torch.bfloat16 if precision == "bf16" else None
     position = 0
 
     def by_hand(n: int) -> None:
         nonlocal position
-        for _ in range(n):
-            for x, y in data[position : position + ACCUM]:
-                if dtype is not None:
-                    x = x.to(dtype)
-                loss = F.cross_entropy(ds(x), y)
-                ds.backward(loss / ACCUM, scale_wrt_gas=False)
-            ds.step()
-            position += ACCUM
+        _hand_steps(ds, data[position : position + n * ACCUM], precision)
+        position += n * ACCUM
 
-    import tempfile
-
-    engine = cadence.Engine(
-        model,
-        optimizer,
-        data,
-        loss_fn=F.cross_entropy,
-        backend=DeepSpeedBackend(zero_stage=stage, precision=precision),
-        seed=0,
-        grad_accum=ACCUM,
-        train={"batch_size": micro},
-        workspace=tempfile.mkdtemp(prefix="cadence-bench-"),
-        log_interval=10**9,
-        callbacks=[_InStep()] if blocking else [],
+    engine = _cadence_engine(
+        model, optimizer, data, stage, precision, micro, log_interval=10**9, callbacks=[_InStep()] if blocking else []
     )
 
     def timed(fn) -> float:
