@@ -347,11 +347,8 @@ class DDPBackend(LocalBackend):
         # the same kinds, so every rank's buffer has the same size.
         on_host = self.device.type == "cpu" or dist.get_backend(self.group) == "gloo"
         pin = not on_host and self.device.type == "cuda"
-        self._agree_host = torch.zeros(slots, dtype=torch.int64, pin_memory=pin)
+        self._agree_host, self._agree_view = _slots(slots, pin)
         self._agree_device = None if on_host else torch.zeros(slots, dtype=torch.int64, device=self.device)
-        # A ctypes array over the tensor's memory: the pending list is written
-        # into it, and read back from it, without a new tensor (and without numpy).
-        self._agree_view = (ctypes.c_int64 * slots).from_address(self._agree_host.data_ptr())
 
     # -- state ------------------------------------------------------------
     # Model and optimizer state come from the unwrapped `engine.model`
@@ -396,26 +393,22 @@ class OverlappedAgreement:
 
     def __init__(self) -> None:
         self.group: Any = None
-        self.members: Any = None  # the group it was made for
         self.work: Any = None
         self.buffer: torch.Tensor | None = None
         self.view: Any = None
 
     def join(self, group: Any, timeout: timedelta) -> None:
-        """Make the gloo group over `group`'s ranks (once; every rank calls this at the same point)."""
-        if self.group is not None and self.members is group:
-            return
-        ranks = dist.get_process_group_ranks(group)
-        self.group = dist.new_group(ranks, timeout=timeout, backend="gloo")
-        self.members = group
+        """Make the gloo group over `group`'s ranks (once until `close`; every rank calls this at the same point)."""
+        if self.group is None:
+            ranks = dist.get_process_group_ranks(group)
+            self.group = dist.new_group(ranks, timeout=timeout, backend="gloo")
 
     def start(self, requests: Requests) -> None:
         slots = len(requests.pending)
         if self.buffer is None or self.buffer.numel() != slots or self.work is not None:
             # A new kind grew the vector, or a step left early kept its all-reduce out: a fresh buffer.
             self.work = None
-            self.buffer = torch.zeros(slots, dtype=torch.int64)
-            self.view = (ctypes.c_int64 * slots).from_address(self.buffer.data_ptr())
+            self.buffer, self.view = _slots(slots)
         self.view[:] = requests.pending
         self.work = dist.all_reduce(self.buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
@@ -426,9 +419,19 @@ class OverlappedAgreement:
 
     def close(self, destroy: bool) -> None:
         """Let go of the group (destroying it when nobody destroys every group)."""
-        group, self.group, self.members, self.work = self.group, None, None, None
+        group, self.group, self.work = self.group, None, None
         if destroy and group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
+
+
+def _slots(slots: int, pin: bool = False) -> tuple[torch.Tensor, Any]:
+    """An int64 host tensor of `slots` zeros and a ctypes array over its memory.
+
+    The pending list is written into the array, and read back from it, without
+    a new tensor (and without numpy).
+    """
+    tensor = torch.zeros(slots, dtype=torch.int64, pin_memory=pin)
+    return tensor, (ctypes.c_int64 * slots).from_address(tensor.data_ptr())
 
 
 def _buffer_sync_option(sync: bool) -> dict[str, bool]:

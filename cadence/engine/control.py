@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from cadence.engine.bus import CadenceError
+from cadence.engine.events import Event
 
 #: The events inside a step, between the agreement's start (after `on_step_start`)
 #: and its end (before the optimizer step).
-IN_STEP_EVENTS = ("on_batch", "on_forward", "on_backward", "on_before_optimizer_step")
+IN_STEP_EVENTS = (Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD, Event.ON_BEFORE_OPTIMIZER_STEP)
 
 
 class RequestTimingError(CadenceError, RuntimeError):
@@ -69,7 +70,7 @@ class Requests:
             raise ValueError(f"request {name!r}: value must be an int >= 1, got {value!r}")
         if self.in_step:
             raise RequestTimingError(
-                f"control request {name!r} raised inside the step ({', '.join(IN_STEP_EVENTS)}), after this "
+                f"control request {name!r} raised inside the step ({', '.join(e.value for e in IN_STEP_EVENTS)}), after this "
                 "step's requests were sent for agreement: no registered callback declares `requests_in_step`, so "
                 "the agreement is overlapped with the forward and backward. Set `requests_in_step = True` on the "
                 "callback that raises it (every step then waits for the agreement before the optimizer step), or "

@@ -414,8 +414,7 @@ class Engine:
         overlapped = not self._requests_in_step()
         if plan.agree_finish is not None:  # every rank must take the same way (callbacks may differ by rank)
             overlapped = not self.backend.reduce(torch.tensor([int(not overlapped)]), "max", "optimizer").item()
-        agree_start = plan.agree_start if overlapped and plan.agree_finish is not None else None
-        agree_finish = plan.agree_finish if agree_start is not None else None
+        agree_start, agree_finish = (plan.agree_start, plan.agree_finish) if overlapped else (None, None)
         optimizer_step, skip_step, zero_grad = plan.optimizer_step, plan.skip_step, plan.zero_grad
         plain = plan.autocast is NULL_CONTEXT
         forward = self.compute_loss if plain else partial(_within, plan.autocast, self.compute_loss)
@@ -497,8 +496,7 @@ class Engine:
 
     def _requests_in_step(self) -> bool:
         """Whether a registered callback may raise control requests inside the step (`Callback.requests_in_step`)."""
-        events = [Event(name) for name in IN_STEP_EVENTS]
-        return any(getattr(cb, "requests_in_step", None) is not False for cb in self._bus.listeners(events))
+        return any(getattr(cb, "requests_in_step", None) is not False for cb in self._bus.listeners(IN_STEP_EVENTS))
 
     def _place(self, batch: Any) -> Any:
         """A batch on the backend's device (as given when it is already there, as on CPU)."""
