@@ -13,7 +13,8 @@ import torch._dynamo  # DDP imports it (~1.5 s): once here, not in every forked 
 import torch.distributed as dist
 
 import cadence
-from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend
+from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend, OverlappedAgreement
+from cadence.engine.control import Requests
 from cadence.launch import launch
 from tests.conftest import tiny_dataset, tiny_model
 
@@ -170,6 +171,18 @@ def test_the_overlapped_agreement_agrees_the_same_step_on_every_rank():
             del reads.in_step[:]
             engine.fit(steps=3)
             out["blocking"] = (engine.state.step, engine.state.skipped_steps, reads.in_step)
+            # The agreement rides training's own gloo group (left alive by close); own_group=True makes one.
+            out["groups"] = []
+            for own in (False, True):
+                agreement = OverlappedAgreement(own_group=own)
+                agreement.join(engine.backend.group, timedelta(seconds=20))
+                requests = Requests()
+                requests.request("save", 1 + rank)
+                agreement.start(requests)
+                agreement.finish(requests)
+                shared = agreement.group is engine.backend.group
+                out["groups"].append((shared, agreement.owned, requests.get("save")))
+                agreement.close(destroy=True)
             return engine.backend.all_gather_object(out)
 
     for out in run(check):
@@ -179,6 +192,7 @@ def test_the_overlapped_agreement_agrees_the_same_step_on_every_rank():
         assert seen == [(1, (0, 0, 0, 0)), (2, (0, 0, 1, 6)), (3, (0, 1, 0, 0))]
         assert out["refused"] == (4, True) and out["after"] == 5
         assert out["blocking"] == (8, 1, [False, False, False])
+        assert out["groups"] == [(True, False, 2), (False, True, 2)]
 
 
 def test_barrier_names_the_rank_that_never_arrives():
