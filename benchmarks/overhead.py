@@ -4,6 +4,10 @@
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
     python benchmarks/overhead.py --sinks-only --repeats 15   # W1: bare Cadence and the default sinks (pipe, file, terminal)
 
+`--sinks-only` also measures bare Cadence and the default sinks in one process, in their steady
+state (`sinks_windows`: one fit each, cut into 100-step windows with raw blocks between them), the
+figure for the default sinks' target (<= 1.05 of the raw loop), with a 95% interval of its median.
+
 Each measurement runs in a fresh process with one thread and glibc's malloc
 thresholds fixed (see FIXED_MALLOC); raw and Cadence runs alternate so drift
 in the machine hits both alike. Both loops use the same
@@ -42,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 WORKLOADS = {
     "W1": {"sizes": [32, 64, 10], "batch": 32, "steps": 2000, "warmup": 200},
@@ -267,19 +272,49 @@ def callback_blocks(callbacks: int, rounds: int, block: int = 100) -> dict:
     }
 
 
-def sinks_blocks(rounds: int, block: int = 1000) -> dict:
-    """The default sinks' cost measured in one process, in interleaved blocks (W1).
+class _Windows:
+    """Cuts one fit into windows of `block` steps at `on_step_end` and runs a timed raw block between two windows."""
 
-    Three loops share one model, optimizer and data and take turns, `block`
-    steps each, in a rotating order: the raw loop, a bare Cadence engine and
-    one with the default sinks (`default_callbacks()`), each Cadence block one
-    `fit(steps=block)` (so each block also pays a fit's start and end, which a
-    real run pays once). Per round, each engine's time over the raw block's of
-    the same round: the machine's drift, which moves one fresh process against
-    the next by up to +-10% here, cancels within a round. Where stderr goes
-    (pipe, file, terminal) is the parent's choice, as for the fresh-process
-    variants.
+    requests_in_step = False
+    order = 10**6  # after every other callback: a window holds each step's whole end
+
+    def __init__(self, block: int, rounds: int, raw_block: Any) -> None:
+        self.block, self.rounds, self.raw_block = block, rounds, raw_block
+        self.count, self.start = 0, None
+        self.windows: list[float] = []
+        self.raw: list[float] = []
+
+    def on_step_end(self, engine: Any) -> None:
+        self.count += 1
+        if self.count % self.block:
+            return
+        now = time.perf_counter()
+        if self.start is not None:
+            self.windows.append(now - self.start)
+            if len(self.raw) < self.rounds:
+                self.raw.append(self.raw_block())
+        self.start = time.perf_counter()
+
+    def ratios(self) -> list[float]:
+        """Each raw block against the mean of the windows on either side of it."""
+        w = self.windows
+        return [(w[i] + w[i + 1]) / 2 / raw for i, raw in enumerate(self.raw)]
+
+
+def sinks_windows(rounds: int, block: int = 100) -> dict:
+    """Bare Cadence and the default sinks against the raw loop in one process, in their steady state (W1).
+
+    For each of the two (bare Cadence, then Cadence with `default_callbacks()`), one `fit` is cut
+    into windows of `block` steps by a last callback (`_Windows`, one call per step), which runs a
+    timed block of the raw loop between two windows; each raw block is set against the mean of the
+    windows on either side of it. The three share one model, optimizer and data. No `fit` start or
+    end falls inside a window (a run pays those once), and neighbouring windows and blocks are
+    tens of ms apart, so the machine's drift cancels far better than between fresh processes.
+    Reported: the quartiles of the ratios and a 95% bootstrap interval of their median. Where stderr
+    goes (pipe, file, terminal) is the parent's choice, as for the fresh-process variants.
     """
+    import random
+
     import torch
     from torch.nn import functional as F
 
@@ -289,26 +324,38 @@ def sinks_blocks(rounds: int, block: int = 1000) -> dict:
     torch.set_num_threads(1)
     model, optimizer, data = build("W1")
     workspace = tempfile.mkdtemp(prefix="cadence-bench-")
-    engines = {
-        name: cadence.Engine(
-            model, optimizer, data, loss_fn=F.cross_entropy, callbacks=cbs, seed=0, log_interval=50, workspace=workspace
-        )
-        for name, cbs in (("cadence", []), ("sinks", default_callbacks()))
-    }
-    run = block_runner(data, block, {"raw": raw_loop(model, optimizer)}, engines)
+    raw = raw_loop(model, optimizer)
+    position = 0
 
-    names = ["raw", "cadence", "sinks"]
-    for name in names:  # warm every path up
-        run(name)
-    ratios: dict[str, list[float]] = {"cadence": [], "sinks": []}
-    for r in range(rounds):
-        order = names[r % 3 :] + names[: r % 3]
-        t = {name: run(name) for name in order}
-        for name in ratios:
-            ratios[name].append(t[name] / t["raw"])
-    for engine in engines.values():
+    def raw_block() -> float:
+        nonlocal position
+        batches = data[position : position + block]
+        position = (position + block) % (len(data) - block)
+        started = time.perf_counter()
+        raw(batches)
+        return time.perf_counter() - started
+
+    raw(data[:block])  # warm up
+    result = {}
+    for name, callbacks in (("cadence", []), ("sinks", default_callbacks())):
+        windows = _Windows(block, rounds, raw_block)
+        engine = cadence.Engine(
+            model,
+            optimizer,
+            data,
+            loss_fn=F.cross_entropy,
+            callbacks=[*callbacks, windows],
+            seed=0,
+            log_interval=50,
+            workspace=workspace,
+        )
+        engine.fit(steps=(rounds + 2) * block)  # the first window is a warm-up
         engine.close()
-    return {name: statistics.quantiles(values, n=4) for name, values in ratios.items()}
+        ratios = windows.ratios()
+        generator = random.Random(0)
+        medians = sorted(statistics.median(generator.choices(ratios, k=len(ratios))) for _ in range(1000))
+        result[name] = [*statistics.quantiles(ratios, n=4), medians[25], medians[974]]
+    return result
 
 
 def run_worker(kind: str, workload: str, callbacks: int = 0, extra: tuple[str, ...] = ()) -> dict:
@@ -391,8 +438,8 @@ def main() -> None:
     if args.worker == "blocks":
         print(json.dumps(callback_blocks(args.callbacks, rounds=args.repeats)))
         return
-    if args.worker and args.worker.startswith("sinks-blocks"):
-        print(json.dumps(sinks_blocks(rounds=args.repeats)))
+    if args.worker and args.worker.startswith("sinks-windows"):
+        print(json.dumps(sinks_windows(rounds=args.repeats)))
         return
     if args.worker:
         print(json.dumps(worker(args.worker, args.workload, args.callbacks)))
@@ -450,14 +497,17 @@ def main() -> None:
         print(f"{workload:8}  {label:32}  {median:9.1f}  {ratio:6.3f}  {extra}")
     if args.sinks_only:
         print(f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal)")
-        rounds = 10 if args.quick else 40
-        print(f"\nW1 in one process, {rounds} rounds of 1000-step blocks (raw, bare Cadence, default sinks), rotating:")
+        rounds = 30 if args.quick else 300
+        print(f"\nW1 in one process, one fit each, {rounds} raw blocks of 100 steps between windows of 100 steps:")
         for output in ("pipe", "file", "tty"):
-            kind = "sinks-blocks" + ("" if output == "pipe" else f"-{output}")
+            kind = "sinks-windows" + ("" if output == "pipe" else f"-{output}")
             result = run_worker(kind, "W1", extra=("--repeats", str(rounds)))
             for name, label in (("cadence", "bare Cadence"), ("sinks", "default sinks")):
-                low, median, high = result[name]
-                print(f"  stderr to a {output:5} {label:14} / raw {median:.3f} ({low:.3f}-{high:.3f}, quartiles)")
+                low, median, high, ci_low, ci_high = result[name]
+                print(
+                    f"  stderr to a {output:5} {label:14} / raw {median:.3f} ({low:.3f}-{high:.3f} quartiles; "
+                    f"median's 95% interval {ci_low:.3f}-{ci_high:.3f})"
+                )
         return
     rounds = 20 if args.quick else 80
     blocks = run_blocks(100, rounds)
