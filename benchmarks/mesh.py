@@ -16,7 +16,7 @@ both loops, built from the same weights, and times them in turns:
 - Cadence: one `Engine.fit` with `MeshBackend(...)` (its DataLoader and sampler, the events,
   the step's agreement all-reduce, overlapped with forward and backward), AdamW, and one callback
   that times windows of `--steps` steps at `on_step_end` and runs the hand-written rounds between
-  them (`--blocking`: also one no-op callback declaring `requests_in_step = True`, so the
+  them (`fit_windows.Windows`; `--blocking`: also one no-op callback declaring `requests_in_step = True`, so the
   agreement runs, blocking, before the optimizer step, as it did on every step before 2026-11-26);
 - by hand: `fully_shard` on the same units and the root over a 1-D mesh (FSDP2), or the same
   `parallelize_module` plan on a 1-D "tensor" mesh (TP); a `DataLoader` with a
@@ -275,37 +275,6 @@ CASES = {"lm": _lm_case, "w2": _w2_case}
 LAYOUTS = {"fsdp2": {"shard": 2}, "tp": {"shard": 1, "tensor": 2}}
 
 
-class _Rounds:
-    """Times Cadence in windows of `steps` steps inside one fit, and runs a timed hand-written round between windows.
-
-    At every `steps`-th step's end: the window since the last boundary is recorded (rank 0's clock), the next
-    hand-written round runs (itself barrier-aligned and timed), and the ranks are aligned by a barrier before the
-    next window starts. The first window (the fit's start, first steps) is not recorded.
-    """
-
-    requests_in_step = False
-    order = 10**6  # after every other callback: a window holds each step's whole end
-
-    def __init__(self, steps: int, repeats: int, hand_round: Any) -> None:
-        self.steps, self.repeats, self.hand_round = steps, repeats, hand_round
-        self.count, self.start = 0, None
-        self.cadence: list[float] = []
-        self.hand: list[float] = []
-
-    def on_step_end(self, engine: Any) -> None:
-        import torch.distributed as dist
-
-        self.count += 1
-        if self.count % self.steps:
-            return
-        if self.start is not None:
-            self.cadence.append((time.perf_counter() - self.start) / self.steps)
-            if len(self.hand) < self.repeats:
-                self.hand.append(self.hand_round())
-        dist.barrier()
-        self.start = time.perf_counter()
-
-
 class _InStep:
     """--blocking: a no-op callback that says it requests inside the step (the agreement then blocks before the step)."""
 
@@ -320,6 +289,7 @@ def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str,
     import copy
 
     import torch.distributed as dist
+    from fit_windows import Windows
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -387,14 +357,11 @@ def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str,
         fn()
         return (time.perf_counter() - start) / args.steps
 
-    rounds = _Rounds(args.steps, args.repeats, lambda: timed(lambda: by_hand(args.steps)))
-    engine.add_callback(rounds)
+    windows = Windows(args.steps, args.repeats, lambda: timed(lambda: by_hand(args.steps)), align=dist.barrier)
+    engine.add_callback(windows)
     by_hand(2)  # warm up (lazy state, allocator); Cadence's first window is its warm-up
     engine.fit(steps=(args.repeats + 2) * args.steps)
-    c, h = rounds.cadence, rounds.hand
-    # Each hand-written round against the mean of the Cadence windows on either side of it.
-    ratios = [(c[i] + c[i + 1]) / 2 / h[i] for i in range(len(h))]
-    out = {"cadence": c, "hand": h, "ratios": ratios}
+    out = {"cadence": windows.windows, "hand": windows.references, "ratios": windows.ratios()}
     engine.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -46,7 +46,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 WORKLOADS = {
     "W1": {"sizes": [32, 64, 10], "batch": 32, "steps": 2000, "warmup": 200},
@@ -272,40 +271,11 @@ def callback_blocks(callbacks: int, rounds: int, block: int = 100) -> dict:
     }
 
 
-class _Windows:
-    """Cuts one fit into windows of `block` steps at `on_step_end` and runs a timed raw block between two windows."""
-
-    requests_in_step = False
-    order = 10**6  # after every other callback: a window holds each step's whole end
-
-    def __init__(self, block: int, rounds: int, raw_block: Any) -> None:
-        self.block, self.rounds, self.raw_block = block, rounds, raw_block
-        self.count, self.start = 0, None
-        self.windows: list[float] = []
-        self.raw: list[float] = []
-
-    def on_step_end(self, engine: Any) -> None:
-        self.count += 1
-        if self.count % self.block:
-            return
-        now = time.perf_counter()
-        if self.start is not None:
-            self.windows.append(now - self.start)
-            if len(self.raw) < self.rounds:
-                self.raw.append(self.raw_block())
-        self.start = time.perf_counter()
-
-    def ratios(self) -> list[float]:
-        """Each raw block against the mean of the windows on either side of it."""
-        w = self.windows
-        return [(w[i] + w[i + 1]) / 2 / raw for i, raw in enumerate(self.raw)]
-
-
 def sinks_windows(rounds: int, block: int = 100) -> dict:
     """Bare Cadence and the default sinks against the raw loop in one process, in their steady state (W1).
 
     For each of the two (bare Cadence, then Cadence with `default_callbacks()`), one `fit` is cut
-    into windows of `block` steps by a last callback (`_Windows`, one call per step), which runs a
+    into windows of `block` steps by a last callback (`fit_windows.Windows`, one call per step), which runs a
     timed block of the raw loop between two windows; each raw block is set against the mean of the
     windows on either side of it. The three share one model, optimizer and data. No `fit` start or
     end falls inside a window (a run pays those once), and neighbouring windows and blocks are
@@ -316,6 +286,7 @@ def sinks_windows(rounds: int, block: int = 100) -> dict:
     import random
 
     import torch
+    from fit_windows import Windows
     from torch.nn import functional as F
 
     import cadence
@@ -333,12 +304,12 @@ def sinks_windows(rounds: int, block: int = 100) -> dict:
         position = (position + block) % (len(data) - block)
         started = time.perf_counter()
         raw(batches)
-        return time.perf_counter() - started
+        return (time.perf_counter() - started) / block
 
     raw(data[:block])  # warm up
     result = {}
     for name, callbacks in (("cadence", []), ("sinks", default_callbacks())):
-        windows = _Windows(block, rounds, raw_block)
+        windows = Windows(block, rounds, raw_block)
         engine = cadence.Engine(
             model,
             optimizer,

@@ -1,0 +1,52 @@
+"""A fit timed in its steady state: windows of steps, with a timed reference block between two windows.
+
+Shared by `mesh.py` (hand-written FSDP2 / TP rounds between windows) and `overhead.py` (raw-loop
+blocks between windows). A run pays a `fit()`'s start and end once; timing windows inside one fit
+keeps those out of the per-step figure, and neighbouring windows and blocks are close in time, so
+the machine's drift cancels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class Windows:
+    """A last callback that cuts a fit into windows of `steps` steps at `on_step_end`.
+
+    At each window's end it records the window (seconds per step), runs `reference()` (which
+    returns its own seconds per step) until `rounds` of them ran, calls `align()` if given (e.g. a
+    barrier of the ranks) and starts the next window. The first window, from the fit's start, is
+    not recorded: fit `(rounds + 2) * steps` steps for `rounds` references with a window on either
+    side of each.
+    """
+
+    requests_in_step = False
+    order = 10**6  # after every other callback: a window holds each step's whole end
+
+    def __init__(
+        self, steps: int, rounds: int, reference: Callable[[], float], align: Callable[[], Any] | None = None
+    ) -> None:
+        self.steps, self.rounds, self.reference, self.align = steps, rounds, reference, align
+        self.count, self.start = 0, None
+        self.windows: list[float] = []
+        self.references: list[float] = []
+
+    def on_step_end(self, engine: Any) -> None:
+        self.count += 1
+        if self.count % self.steps:
+            return
+        if self.start is not None:
+            self.windows.append((time.perf_counter() - self.start) / self.steps)
+            if len(self.references) < self.rounds:
+                self.references.append(self.reference())
+        if self.align is not None:
+            self.align()
+        self.start = time.perf_counter()
+
+    def ratios(self) -> list[float]:
+        """Each reference against the mean of the windows on either side of it."""
+        w = self.windows
+        return [(w[i] + w[i + 1]) / 2 / ref for i, ref in enumerate(self.references)]
