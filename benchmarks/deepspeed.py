@@ -43,6 +43,17 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
+
+def _fit_timing():
+    """benchmarks/fit_timing.py, loaded from this folder (which is off the import path, see above)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fit_timing", _HERE / "fit_timing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 SIZES = [1024, 1024, 1024, 1024, 10]
 GLOBAL_BATCH, ACCUM, WARMUP = 128, 2, 20
 
@@ -183,15 +194,6 @@ def _digest(module, stage: int) -> str:
     return digest.hexdigest()[:16]
 
 
-class _InStep:
-    """--blocking: a no-op callback that says it requests inside the step (the agreement then blocks before the step)."""
-
-    requests_in_step = True
-
-    def on_before_optimizer_step(self, engine) -> None:
-        pass
-
-
 def alternating_worker(stage: int, precision: str, steps: int, rounds: int, blocking: bool = False) -> dict:
     """One launch holding both loops (two DeepSpeed engines on copies of one model), timed in alternated rounds."""
     import copy
@@ -213,7 +215,14 @@ def alternating_worker(stage: int, precision: str, steps: int, rounds: int, bloc
         position += n * ACCUM
 
     engine = _cadence_engine(
-        model, optimizer, data, stage, precision, micro, log_interval=10**9, callbacks=[_InStep()] if blocking else []
+        model,
+        optimizer,
+        data,
+        stage,
+        precision,
+        micro,
+        log_interval=10**9,
+        callbacks=[_fit_timing().InStepRequester()] if blocking else [],
     )
 
     def timed(fn) -> float:

@@ -16,8 +16,9 @@ both loops, built from the same weights, and times them in turns:
 - Cadence: one `Engine.fit` with `MeshBackend(...)` (its DataLoader and sampler, the events,
   the step's agreement all-reduce, overlapped with forward and backward), AdamW, and one callback
   that times windows of `--steps` steps at `on_step_end` and runs the hand-written rounds between
-  them (`fit_windows.Windows`; `--blocking`: also one no-op callback declaring `requests_in_step = True`, so the
-  agreement runs, blocking, before the optimizer step, as it did on every step before 2026-11-26);
+  them (`fit_timing.Windows`; `--blocking`: also `fit_timing.InStepRequester`, a no-op callback
+  declaring `requests_in_step = True`, so the agreement runs, blocking, before the optimizer step,
+  as it did on every step before 2026-11-26);
 - by hand: `fully_shard` on the same units and the root over a 1-D mesh (FSDP2), or the same
   `parallelize_module` plan on a 1-D "tensor" mesh (TP); a `DataLoader` with a
   `DistributedSampler` over the data ranks; forward, loss, backward, `optimizer.step()`,
@@ -275,21 +276,12 @@ CASES = {"lm": _lm_case, "w2": _w2_case}
 LAYOUTS = {"fsdp2": {"shard": 2}, "tp": {"shard": 1, "tensor": 2}}
 
 
-class _InStep:
-    """--blocking: a no-op callback that says it requests inside the step (the agreement then blocks before the step)."""
-
-    requests_in_step = True
-
-    def on_before_optimizer_step(self, engine: Any) -> None:
-        pass
-
-
 def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str, Any]:
     """One rank: both loops on the same weights, timed in alternated pairs of rounds of `args.steps` steps."""
     import copy
 
     import torch.distributed as dist
-    from fit_windows import Windows
+    from fit_timing import InStepRequester, Windows
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -315,7 +307,7 @@ def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str,
         log_interval=10**9,
         eval_every_epochs=None,
         train={"batch_size": per_rank, "drop_last": True},
-        callbacks=[_InStep()] if args.blocking else [],
+        callbacks=[InStepRequester()] if args.blocking else [],
     )
 
     # -- by hand --

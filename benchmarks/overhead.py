@@ -275,7 +275,7 @@ def sinks_windows(rounds: int, block: int = 100) -> dict:
     """Bare Cadence and the default sinks against the raw loop in one process, in their steady state (W1).
 
     For each of the two (bare Cadence, then Cadence with `default_callbacks()`), one `fit` is cut
-    into windows of `block` steps by a last callback (`fit_windows.Windows`, one call per step), which runs a
+    into windows of `block` steps by a last callback (`fit_timing.Windows`, one call per step), which runs a
     timed block of the raw loop between two windows; each raw block is set against the mean of the
     windows on either side of it. The three share one model, optimizer and data. No `fit` start or
     end falls inside a window (a run pays those once), and neighbouring windows and blocks are
@@ -286,7 +286,7 @@ def sinks_windows(rounds: int, block: int = 100) -> dict:
     import random
 
     import torch
-    from fit_windows import Windows
+    from fit_timing import Windows
     from torch.nn import functional as F
 
     import cadence
