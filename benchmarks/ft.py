@@ -9,7 +9,7 @@
    127.0.0.1): the same model (W2 of benchmarks/overhead.py: an MLP with four
    1024-wide layers, Adam), the same batch per process (64), the same gradient
    all-reduce between two processes; FT adds the per-step quorum (started in
-   zero_grad, overlapping the next step), the commit vote and TorchFT's DDP
+   zero_grad, overlapping the step's end and the next batch's loading), the commit vote and TorchFT's DDP
    (its buckets are never rebuilt). The two variants alternate so machine drift
    hits both alike. Reports the median step time of the first process and the
    ratio (target <= 1.05).

@@ -10,7 +10,8 @@ dies is left out of the next quorum while the others go on, and a group that
 What Cadence adds around TorchFT (see docs/fault-tolerance.md):
 
 - The step: the quorum for the next step is started in `zero_grad` (it runs
-  while the next batch loads and the forward pass runs); the optimizer step is
+  while the next batch loads; the forward waits for it, so a healing peer reads
+  this group's state between two steps); the optimizer step is
   applied only when the Manager agrees to commit (`should_commit`). A refused
   commit returns False from `optimizer_step`: the loop counts it as an agreed
   skip, so the LR scheduler, EMA and `state.skipped_steps` see it.
@@ -416,14 +417,17 @@ class FaultTolerance:
     def _state_dict(self) -> dict[str, Any]:
         # Called on TorchFT's quorum thread when a peer heals from this group; the
         # loop holds the Manager's state-dict lock from zero_grad to the next
-        # step's first forward, so this reads the state between two steps.
+        # step's first forward, and waits there for the quorum (`release_state`),
+        # so this reads the state between two steps.
         from cadence.checkpoint.payload import stateful_callbacks
 
         engine = self._engine
         assert engine is not None
         backend, state = engine.backend, engine.state
+        # The forward that runs while the peer fetches updates buffers in place: send copies.
+        buffers = {storage_of(buffer) for buffer in engine.model.buffers()}
         return {
-            "model": local_shards(backend.model_state_dict(engine)),
+            "model": copy_tensors(local_shards(backend.model_state_dict(engine)), buffers),
             "optimizers": local_shards(backend.optimizer_state_dicts(engine)),
             "schedulers": [scheduler.state_dict() for scheduler in engine.schedulers],
             "callbacks": {key: cb.state_dict() for key, cb in stateful_callbacks(engine).items()},
@@ -474,9 +478,27 @@ class FaultTolerance:
         self._quorum_pending = True
 
     def release_state(self) -> None:
+        """Let the pending quorum read this group's state, between two steps, and wait for it.
+
+        Called before the step's first forward. A peer that heals from this
+        group has its state read on TorchFT's quorum thread; it must not run
+        beside the forward and backward: FSDP2 puts unsharded parameters on
+        the modules there (and its state-dict hook would put the sharded ones
+        back under the running forward), and normalization layers update
+        their buffers. So the loop waits here for the quorum, which normally
+        formed while the batch loaded. What the peer then fetches is the
+        parameters and optimizer state, unchanged until this step's commit
+        (TorchFT stops serving them first), and copies of the buffers.
+        """
         if self._locked:
             self._locked = False
-            self.manager.allow_state_dict_read()
+            manager = self.manager
+            manager.allow_state_dict_read()
+            try:
+                manager.wait_quorum()
+            except Exception as exc:
+                self.raise_quorum_error(exc)
+                raise
 
     def commit(self) -> bool:
         """The Manager's commit vote for this step (applies a pending heal first)."""
@@ -636,6 +658,26 @@ def local_shards(tree: Any) -> Any:
     if hasattr(tree, "to_local") and hasattr(tree, "placements"):
         return {_SHARD: tree.to_local(), "shape": tuple(tree.shape), "stride": tuple(tree.stride())}
     return tree
+
+
+def copy_tensors(tree: Any, storages: set[int]) -> Any:
+    """`tree` with a copy of every tensor whose storage is one of `storages` (by data pointer)."""
+    import torch
+
+    if isinstance(tree, Mapping):
+        return {key: copy_tensors(value, storages) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(copy_tensors(value, storages) for value in tree)
+    if isinstance(tree, torch.Tensor) and storage_of(tree) in storages:
+        return tree.clone()
+    return tree
+
+
+def storage_of(tensor: torch.Tensor) -> int:
+    """The data pointer of a tensor's storage (of its local shard for a DTensor)."""
+    if hasattr(tensor, "to_local") and hasattr(tensor, "placements"):
+        tensor = tensor.to_local()
+    return tensor.untyped_storage().data_ptr()
 
 
 def from_local_shards(tree: Any, specs: Mapping[str, Any], spec: Any = None) -> Any:

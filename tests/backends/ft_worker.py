@@ -13,7 +13,9 @@ participants, refused commits, heals, data position, pid), then a last line
   torchrun; rank r > 0 writes to `out` + ".rank<r>")
 - lighthouse, replica_id, group_size, min_replica_size, quorum_timeout, port, out
 - steps: the fit's step target (absolute); more_steps: train this many steps after the restored one
-- pace: seconds slept per step
+- pace: seconds slept per step (at its end, while the loop holds TorchFT's state lock)
+- forward_sleep: seconds slept in the last layer's forward (under FSDP2 its parameters are unsharded
+  there): a peer that heals reads this group's state at the step start, never beside this
 - kill_after: SIGKILL this process during its next step once it has taken this
   many steps with every group in the quorum, after that step's quorum formed
   (so its peers see it die in the middle of a step)
@@ -215,6 +217,8 @@ def main() -> None:
         options["out"] += f".rank{rank}"  # each rank records its own shards
     torch.manual_seed(options["replica_id"] * 10 + rank)  # replicas start different: the first quorum makes them equal
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if options.get("forward_sleep"):  # after FSDP2's own pre-forward hook (it is prepended): unsharded here
+        model[2].register_forward_pre_hook(lambda module, args: time.sleep(options["forward_sleep"]))
     g = torch.Generator().manual_seed(1)
     samples = options.get("samples", 4096)
     data = torch.utils.data.TensorDataset(

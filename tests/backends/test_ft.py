@@ -130,6 +130,23 @@ def test_ft_config_errors_name_the_input(monkeypatch):
     )
 
 
+def test_the_state_a_peer_heals_from_copies_buffers_and_aliases_parameters():
+    # Served while this group's next forward runs: the buffers it updates in place go out as copies; the
+    # parameters and optimizer state, unchanged until the step's commit, are sent as they are.
+    from cadence.backends.ft import copy_tensors, storage_of
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    buffers = {storage_of(buffer) for buffer in model.buffers()}
+    state = {"model": model.state_dict(), "optimizers": [{"state": {0: {"momentum": torch.ones(2)}}}]}
+    sent = copy_tensors(state, buffers)
+    model(torch.randn(5, 3))  # a training forward moves the running statistics in place
+    assert torch.equal(sent["model"]["1.running_mean"], torch.zeros(4))
+    assert sent["model"]["1.num_batches_tracked"].item() == 0 and model[1].num_batches_tracked.item() == 1
+    assert sent["model"]["0.weight"].data_ptr() == model[0].weight.data_ptr()
+    momentum = state["optimizers"][0]["state"][0]["momentum"]
+    assert sent["optimizers"][0]["state"][0]["momentum"] is momentum
+
+
 def _two_processes_per_group():
     model = tiny_model()
     backend = DDPBackend(timeout=20, ft={"replica_id": 0, "group_size": 2, "lighthouse": "http://127.0.0.1:9"})
@@ -299,7 +316,10 @@ def kill_restart_heal(tmp_path, backend: str) -> None:
     """Replica group 1 SIGKILLed after 5 full steps and restarted; replica group 0 goes on and waits for it."""
     from cadence.backends.ft import local_lighthouse
 
-    common = {"group_size": 2, "steps": 100_000, "stop_after_join": 15, "pace": 0.05, "backend": backend}
+    # The time of a step is spent in its forward: a peer's state read that ran beside it would meet FSDP2's
+    # unsharded parameters (it did, now and then, before the loop waited for the quorum at the step start).
+    common = {"group_size": 2, "steps": 100_000, "stop_after_join": 15, "pace": 0.0, "forward_sleep": 0.05}
+    common["backend"] = backend
     started: list[Replica] = []
     try:
         with local_lighthouse(min_replicas=1, heartbeat_timeout_ms=1000) as address:
