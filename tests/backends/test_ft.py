@@ -3,8 +3,9 @@
 The lighthouse runs in this process (`local_lighthouse`, 127.0.0.1, an OS-picked
 port); every replica group is one plain `python tests/backends/ft_worker.py`
 subprocess on gloo (forking this process after the lighthouse's Rust threads
-started is risky). Workers pace their steps (0.05 s) and record one JSON line
-per step. The non-slow scenarios run concurrently from one module fixture.
+started is risky). Workers pace their steps (0.05 s, at the step's end or, in
+the kill/restart scenarios, inside the last layer's forward) and record one
+JSON line per step. The non-slow scenarios run concurrently from one module fixture.
 """
 
 from __future__ import annotations
