@@ -425,9 +425,9 @@ class FaultTolerance:
         assert engine is not None
         backend, state = engine.backend, engine.state
         # The forward that runs while the peer fetches updates buffers in place: send copies.
-        buffers = {storage_of(buffer) for buffer in engine.model.buffers()}
+        buffers = frozenset(storage_of(buffer) for buffer in engine.model.buffers())
         return {
-            "model": copy_tensors(local_shards(backend.model_state_dict(engine)), buffers),
+            "model": local_shards(backend.model_state_dict(engine), copies=buffers),
             "optimizers": local_shards(backend.optimizer_state_dicts(engine)),
             "schedulers": [scheduler.state_dict() for scheduler in engine.schedulers],
             "callbacks": {key: cb.state_dict() for key, cb in stateful_callbacks(engine).items()},
@@ -643,41 +643,38 @@ class FaultTolerance:
 _SHARD = "__cadence_local_shard__"
 
 
-def local_shards(tree: Any) -> Any:
+def local_shards(tree: Any, copies: frozenset[int] = frozenset()) -> Any:
     """`tree` with every DTensor replaced by its local shard, its global shape and stride (for healing).
 
     TorchFT heals group rank r from group rank r of a live group, whose mesh
     inside the group is the same: each rank sends its own shards as plain
     tensors and the receiver rebuilds DTensors on its own mesh
-    (`from_local_shards`). Plain tensors and other values pass unchanged.
+    (`from_local_shards`). Other values pass unchanged, but a tensor (or
+    local shard) whose storage is one of `copies` (`storage_of`) is sent as
+    a copy: the buffers that the forward running while a peer fetches
+    updates in place.
     """
     if isinstance(tree, Mapping):
-        return {key: local_shards(value) for key, value in tree.items()}
+        return {key: local_shards(value, copies) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(local_shards(value) for value in tree)
-    if hasattr(tree, "to_local") and hasattr(tree, "placements"):
-        return {_SHARD: tree.to_local(), "shape": tuple(tree.shape), "stride": tuple(tree.stride())}
-    return tree
-
-
-def copy_tensors(tree: Any, storages: set[int]) -> Any:
-    """`tree` with a copy of every tensor whose storage is one of `storages` (by data pointer)."""
-    import torch
-
-    if isinstance(tree, Mapping):
-        return {key: copy_tensors(value, storages) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(copy_tensors(value, storages) for value in tree)
-    if isinstance(tree, torch.Tensor) and storage_of(tree) in storages:
+        return type(tree)(local_shards(value, copies) for value in tree)
+    if _is_dtensor(tree):
+        shard = local_shards(tree.to_local(), copies)
+        return {_SHARD: shard, "shape": tuple(tree.shape), "stride": tuple(tree.stride())}
+    if copies and hasattr(tree, "untyped_storage") and tree.untyped_storage().data_ptr() in copies:
         return tree.clone()
     return tree
 
 
 def storage_of(tensor: torch.Tensor) -> int:
     """The data pointer of a tensor's storage (of its local shard for a DTensor)."""
-    if hasattr(tensor, "to_local") and hasattr(tensor, "placements"):
+    if _is_dtensor(tensor):
         tensor = tensor.to_local()
     return tensor.untyped_storage().data_ptr()
+
+
+def _is_dtensor(value: Any) -> bool:
+    return hasattr(value, "to_local") and hasattr(value, "placements")
 
 
 def from_local_shards(tree: Any, specs: Mapping[str, Any], spec: Any = None) -> Any:

@@ -134,12 +134,12 @@ def test_ft_config_errors_name_the_input(monkeypatch):
 def test_the_state_a_peer_heals_from_copies_buffers_and_aliases_parameters():
     # Served while this group's next forward runs: the buffers it updates in place go out as copies; the
     # parameters and optimizer state, unchanged until the step's commit, are sent as they are.
-    from cadence.backends.ft import copy_tensors, storage_of
+    from cadence.backends.ft import local_shards, storage_of
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
-    buffers = {storage_of(buffer) for buffer in model.buffers()}
+    buffers = frozenset(storage_of(buffer) for buffer in model.buffers())
     state = {"model": model.state_dict(), "optimizers": [{"state": {0: {"momentum": torch.ones(2)}}}]}
-    sent = copy_tensors(state, buffers)
+    sent = local_shards(state, copies=buffers)
     model(torch.randn(5, 3))  # a training forward moves the running statistics in place
     assert torch.equal(sent["model"]["1.running_mean"], torch.zeros(4))
     assert sent["model"]["1.num_batches_tracked"].item() == 0 and model[1].num_batches_tracked.item() == 1
