@@ -3,10 +3,18 @@
     python benchmarks/overhead.py            # full run (10-14 minutes)
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
     python benchmarks/overhead.py --sinks-only --repeats 15   # W1: bare Cadence and the default sinks (pipe, file, terminal)
+    python benchmarks/overhead.py --instructions   # W1: instructions per step, counted by valgrind (5-10 minutes)
 
 `--sinks-only` also measures bare Cadence and the default sinks in one process, in their steady
 state (`sinks_windows`: one fit each, cut into 100-step windows with raw blocks between them), the
 figure for the default sinks' target (<= 1.05 of the raw loop), with a 95% interval of its median.
+
+`--instructions` counts, with valgrind's callgrind, the instructions each loop executes per W1
+step (raw, bare Cadence, the default sinks to a pipe): what the engine and the sinks add to a
+step, for comparing a change before and after. The same command counts the same; runs that differ
+in anything (the command line, the code before the steps) moved a count by up to 0.4%, against
+±1% and more for the timed figures between runs. It does not say what those instructions cost in
+time; the timed figures do.
 
 Each measurement runs in a fresh process with one thread and glibc's malloc
 thresholds fixed (see FIXED_MALLOC); raw and Cadence runs alternate so drift
@@ -329,19 +337,114 @@ def sinks_windows(rounds: int, block: int = 100) -> dict:
     return result
 
 
-def run_worker(kind: str, workload: str, callbacks: int = 0, extra: tuple[str, ...] = ()) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **FIXED_MALLOC)
-    command = [sys.executable, __file__, "--worker", kind, "--workload", workload, "--callbacks", str(callbacks)]
-    command += extra
+# The default sinks to a pipe only: under valgrind a step takes about 50 times as long, so what
+# is throttled by time (the progress bar's refresh in a terminal, the text lines to a file) runs
+# many times as often per step as it does at full speed, and its count would say nothing.
+INSTRUCTION_KINDS = ("raw", "cadence", "sinks")
+
+
+def instructions_worker(kind: str, steps: int) -> dict:
+    """`steps` W1 steps of one loop between two markers, for `instructions` (run under callgrind).
+
+    The markers are calls of `os.getppid`, before which callgrind dumps its counts: the second
+    part of the run is exactly the measured steps. Cadence's are those after its warm-up steps,
+    cut at log intervals (no fit start or end inside), the raw loop's the same batches after the
+    same warm-up.
+    """
+    import torch
+    from torch.nn import functional as F
+
+    torch.set_num_threads(1)
+    model, optimizer, data = build("W1")
+    warm = WORKLOADS["W1"]["warmup"]
+    if steps > len(data) - warm:
+        raise SystemExit(f"--steps {steps}: W1 has {len(data) - warm} batches after its warm-up")
+    if steps % 50:
+        raise SystemExit(f"--steps {steps}: give a multiple of the log interval, 50")
+    if kind == "raw":
+        run = raw_loop(model, optimizer)
+        run(data[:warm])
+        os.getppid()
+        run(data[warm : warm + steps])
+        os.getppid()
+        return {"params": param_hash(model)}
+    import cadence
+    from cadence.callbacks.metrics import default_callbacks
+
+    engine = cadence.Engine(
+        model,
+        optimizer,
+        data,
+        loss_fn=F.cross_entropy,
+        callbacks=default_callbacks() if kind.startswith("sinks") else [],
+        seed=0,
+        log_interval=50,
+        workspace=tempfile.mkdtemp(prefix="cadence-bench-"),
+    )
+    # The markers come from a collector, which the engine runs at each log interval (both marks
+    # are multiples of it) before TrainMetrics' own: no per-step hook is added to Cadence's side,
+    # and the part holds whole steps, with one reduction per 50 steps.
+    marks = (warm, warm + steps)
+    engine.metrics.add_collector(lambda: engine.state.step in marks and os.getppid())
+    engine.fit(steps=warm + steps)
+    engine.close()
+    return {"params": param_hash(model)}
+
+
+def instructions(steps: int) -> dict[str, float]:
+    """Instructions per W1 step of each of `INSTRUCTION_KINDS`, counted by valgrind's callgrind.
+
+    Unlike time, the count does not move with the machine's load; it does not tell what those
+    instructions cost in time (cache misses, branches). One process per kind, as many at once as
+    there are cores.
+    """
+    import concurrent.futures
+    import glob
+    import shutil
+
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt install valgrind)")
+    with tempfile.TemporaryDirectory(prefix="cadence-callgrind-") as out:
+
+        def count(kind: str) -> tuple[float, str]:
+            prefix = (
+                "valgrind",
+                "--tool=callgrind",
+                "--dump-before=os_getppid*",
+                f"--callgrind-out-file={out}/{kind}.%p",
+            )
+            result = run_worker(f"instructions-{kind}", "W1", extra=("--steps", str(steps)), prefix=prefix)
+            parts = sorted(glob.glob(f"{out}/{kind}.*"))
+            measured = [path for path in parts if path.endswith(".2")]
+            if len(parts) != 3 or len(measured) != 1:
+                raise SystemExit(f"{kind}: callgrind wrote {len(parts)} parts, not 3: was os.getppid called elsewhere?")
+            with open(measured[0]) as dump:
+                total = next(int(line.split()[1]) for line in dump if line.startswith("summary:"))
+            return total / steps, result["params"]
+
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            counts = dict(zip(INSTRUCTION_KINDS, pool.map(count, INSTRUCTION_KINDS)))
+    if len({params for _, params in counts.values()}) != 1:
+        raise SystemExit("--instructions: the loops ended with different parameters")
+    return {kind: per_step for kind, (per_step, _) in counts.items()}
+
+
+def run_worker(
+    kind: str, workload: str, callbacks: int = 0, extra: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
+) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", **FIXED_MALLOC)
+    timeout = 3600 if prefix else 900  # under valgrind a step takes about 50 times as long
+    command = [*prefix, sys.executable, __file__, "--worker", kind]
+    command += ["--workload", workload, "--callbacks", str(callbacks), *extra]
     if kind.endswith("-file"):
         # stderr to a regular file, as a shell's `2> log` or a scheduler's output file.
         with tempfile.TemporaryFile() as log:
             out = subprocess.run(
-                command, check=True, stdout=subprocess.PIPE, stderr=log, text=True, env=env, timeout=900
+                command, check=True, stdout=subprocess.PIPE, stderr=log, text=True, env=env, timeout=timeout
             )
         return json.loads(out.stdout.strip().splitlines()[-1])
     if not kind.endswith("-tty"):
-        out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=900)
+        out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=timeout)
         return json.loads(out.stdout.strip().splitlines()[-1])
     # stderr is a terminal (the progress bar draws its tqdm bar), read as a terminal would be.
     import fcntl
@@ -365,7 +468,7 @@ def run_worker(kind: str, workload: str, callbacks: int = 0, extra: tuple[str, .
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
-    stdout, _ = process.communicate(timeout=900)
+    stdout, _ = process.communicate(timeout=timeout)
     reader.join(10)
     os.close(terminal)
     if process.returncode:
@@ -402,10 +505,19 @@ def main() -> None:
     parser.add_argument(
         "--sinks-only", action="store_true", help="W1 only: the raw loop, bare Cadence and the default sinks"
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="W1 only: instructions per step of the raw loop, bare Cadence and the default sinks (valgrind)",
+    )
+    parser.add_argument("--steps", type=int, default=1000, help="--instructions: W1 steps counted per loop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="W1", help=argparse.SUPPRESS)
     parser.add_argument("--callbacks", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker and args.worker.startswith("instructions-"):
+        print(json.dumps(instructions_worker(args.worker.removeprefix("instructions-"), args.steps)))
+        return
     if args.worker == "blocks":
         print(json.dumps(callback_blocks(args.callbacks, rounds=args.repeats)))
         return
@@ -414,6 +526,13 @@ def main() -> None:
         return
     if args.worker:
         print(json.dumps(worker(args.worker, args.workload, args.callbacks)))
+        return
+    if args.instructions:
+        counts = instructions(args.steps)
+        raw = counts["raw"]
+        print(f"W1 instructions per step (callgrind, {args.steps} steps each, 1 thread; parameters checked equal):")
+        for kind, label in (("raw", "raw loop"), ("cadence", "bare Cadence"), ("sinks", "default sinks, pipe")):
+            print(f"  {label:24} {counts[kind]:12,.0f}  {counts[kind] / raw:.4f}  (+{counts[kind] - raw:,.0f})")
         return
     repeats = 3 if args.quick else args.repeats
     workloads = ["W1"] if args.quick or args.sinks_only else ["W1", "W2"]
