@@ -319,7 +319,8 @@ class DDPBackend(LocalBackend):
         The result is read on the host (a device sync on CUDA): the loop
         branches on it (skip the optimizer step, stop, save) and every rank
         must take the same branch, so the decision cannot stay on the device.
-        It is the only collective the engine adds to a step.
+        It is the only collective the engine adds to a step, and only while a
+        registered callback may raise requests (`Callback.raises_requests`).
         """
         if self._agree_host is None or self._agree_host.numel() != len(requests.pending):
             self._allocate_agreement(len(requests.pending))

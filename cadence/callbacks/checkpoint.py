@@ -138,6 +138,7 @@ class Checkpoint(Callback):
     """
 
     order = Order.CHECKPOINT
+    raises_requests = False  # saves on its schedule and on an agreed `save`; requests nothing
 
     def __init__(self, config: CheckpointConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(CheckpointConfig, config, kwargs, "checkpoint")

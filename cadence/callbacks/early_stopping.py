@@ -67,6 +67,7 @@ class EarlyStopping(Callback):
     """
 
     order = Order.EARLY_STOPPING
+    raises_requests = True  # requests `stop`
 
     def __init__(self, config: EarlyStoppingConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(EarlyStoppingConfig, config, kwargs, "early_stopping")

@@ -68,6 +68,7 @@ class EMA(Callback):
     """
 
     order = Order.EMA
+    raises_requests = False
     #: The checkpoint restores this callback right after the model.
     restore_with_model: ClassVar[bool] = True
 

@@ -60,6 +60,7 @@ class GarbageCollection(Callback):
     """
 
     order = Order.GC
+    raises_requests = False
 
     def __init__(self, config: GarbageCollectionConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(GarbageCollectionConfig, config, kwargs, "garbage_collection")

@@ -74,6 +74,7 @@ class GradClip(Callback):
 
     order = Order.GRAD_CLIP
     requests_in_step = False  # clips; requests nothing
+    raises_requests = False
 
     def __init__(self, config: GradClipConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         norm_type = kwargs.get("norm_type")

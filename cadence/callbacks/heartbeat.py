@@ -153,6 +153,7 @@ class Heartbeat(Callback):
 
     order = Order.HEARTBEAT
     requests_in_step = False  # marks progress; requests nothing
+    raises_requests = False
 
     def __init__(self, config: HeartbeatConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(HeartbeatConfig, config, kwargs, "heartbeat")

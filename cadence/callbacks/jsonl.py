@@ -69,6 +69,7 @@ class JSONL(Callback):
     """
 
     order = Order.LOGGER
+    raises_requests = False
 
     def __init__(self, config: JSONLConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(JSONLConfig, config, kwargs, "JSONL")

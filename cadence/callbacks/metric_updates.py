@@ -52,6 +52,7 @@ class MetricUpdates(Callback):
 
     order = Order.METRICS
     requests_in_step = False
+    raises_requests = False
 
     def __init__(self, metrics: Any, inputs: Callable[[Any, Any], Any] | None = None) -> None:
         self.metric_set = MetricSet(metrics, inputs, argument="train_metrics")

@@ -111,6 +111,8 @@ class TrainMetrics(Callback):
     """
 
     order = Order.METRICS
+    requests_in_step = False  # reads the loss in on_forward under accumulation
+    raises_requests = False
 
     def __init__(self, config: TrainMetricsConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(TrainMetricsConfig, config, kwargs, "TrainMetrics")

@@ -105,6 +105,7 @@ class NonFiniteSkip(Callback):
 
     order = Order.NON_FINITE
     requests_in_step = True  # the skip is agreed in the step whose gradients it checks
+    raises_requests = True  # requests `skip` (and `non_finite`)
 
     def __init__(self, config: NonFiniteSkipConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(NonFiniteSkipConfig, config, kwargs, "non_finite_skip")

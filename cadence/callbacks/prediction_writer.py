@@ -62,6 +62,7 @@ class PredictionWriter(Callback):
     """
 
     order = Order.LOGGER
+    raises_requests = False
 
     def __init__(self, config: PredictionWriterConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(PredictionWriterConfig, config, kwargs, "prediction_writer")

@@ -86,6 +86,7 @@ class Preemption(Callback):
     """
 
     order = Order.PREEMPTION
+    raises_requests = True  # requests `save` and `stop` on a signal
     # It requests in on_before_optimizer_step only when the step is agreed after it anyway.
     requests_in_step = False
 

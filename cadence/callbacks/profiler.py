@@ -81,6 +81,7 @@ class Profiler(Callback):
     """
 
     order = Order.PROFILER
+    raises_requests = False
 
     def __init__(self, config: ProfilerConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(ProfilerConfig, config, kwargs, "Profiler")

@@ -80,6 +80,7 @@ class ProgressBar(Callback):
     """
 
     order = Order.PROGRESS
+    raises_requests = False
 
     def __init__(
         self,

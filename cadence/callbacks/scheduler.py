@@ -69,6 +69,7 @@ class LRScheduler(Callback):
     """
 
     order = Order.SCHEDULER
+    raises_requests = False
 
     def __init__(
         self,

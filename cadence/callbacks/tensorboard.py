@@ -66,6 +66,7 @@ class TensorBoard(Callback):
     """
 
     order = Order.LOGGER
+    raises_requests = False
 
     def __init__(self, config: TensorBoardConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(TensorBoardConfig, config, kwargs, "TensorBoard")

@@ -74,6 +74,7 @@ class TextLog(Callback):
     """
 
     order = Order.LOGGER
+    raises_requests = False
 
     def __init__(
         self, config: TextLogConfig | Mapping[str, Any] | None = None, *, stream: IO[str] | None = None, **kwargs: Any

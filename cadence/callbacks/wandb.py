@@ -75,6 +75,7 @@ class WandB(Callback):
     """
 
     order = Order.LOGGER
+    raises_requests = False
 
     def __init__(self, config: WandBConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(WandBConfig, config, kwargs, "WandB")

@@ -91,7 +91,9 @@ class StepPlan:
             without waiting, `agree_finish` waits for it before the optimizer
             step and accepts the result. The loop uses them instead of `agree`
             while no callback requests inside the step; None (both): the loop
-            calls `agree` there, or accepts itself with no other rank.
+            calls `agree` there, or accepts itself with no other rank. While
+            no registered callback may request at all, the loop calls none of
+            the three (`Callback.raises_requests`).
     """
 
     schedule: Callable[[Engine, Sequence[Any]], None] | None

@@ -134,6 +134,11 @@ class FunctionHandler:
         self.fn, self.event, self.every, self.once, self.when = fn, event, every, once, when
         self.order = order
         self.state_key = key
+        # A callback's bound method speaks for that callback: its declarations
+        # hold for the handler (a plain function is taken to request anywhere).
+        owner = getattr(fn, "__self__", None)
+        self.requests_in_step: bool | None = getattr(owner, "requests_in_step", None)
+        self.raises_requests: bool | None = getattr(owner, "raises_requests", None)
         self.calls = 0
         self._count = _counter(event)
         filtered = every is not None or once is not None or when is not None

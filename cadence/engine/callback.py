@@ -49,6 +49,14 @@ class Callback:
     #: on a callback that only reads there (a gradient logger), True on one that
     #: requests there (`NonFiniteSkip`).
     requests_in_step: ClassVar[bool | None] = None
+    #: Whether this callback raises control requests at all (in any hook). None
+    #: (the default): it is taken to. While every registered callback declares
+    #: False (and no request is pending when a fit starts), a fit on several
+    #: ranks runs no agreement per step, so the step adds no collective; a
+    #: request raised in such a fit is refused (`RequestTimingError`). The
+    #: built-in callbacks that never request declare False; `NonFiniteSkip`,
+    #: `EarlyStopping` and `Preemption` declare True.
+    raises_requests: ClassVar[bool | None] = None
 
     @property
     def state_key(self) -> str:

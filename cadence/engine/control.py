@@ -34,7 +34,9 @@ class Requests:
     When the agreement is overlapped (no callback requests inside the step),
     what is pending after `on_step_start` is sent then and agreed before the
     optimizer step; `in_step` is True in between, and a request raised then is
-    a `RequestTimingError`.
+    a `RequestTimingError`. When no registered callback raises requests at all
+    (`Callback.raises_requests`), a fit on several ranks agrees nothing per
+    step; `closed` is True during it, and any request is a `RequestTimingError`.
     """
 
     BUILTIN = ("skip", "stop", "save")
@@ -51,6 +53,9 @@ class Requests:
         self.reasons: dict[str, str] = {}
         # True between an overlapped agreement's start and its end.
         self.in_step = False
+        # True during a fit on several ranks that agrees nothing per step (no
+        # registered callback raises requests): a request would never be agreed.
+        self.closed = False
 
     def register(self, name: str) -> int:
         """Add a request kind (idempotent); returns its slot."""
@@ -68,6 +73,13 @@ class Requests:
             raise KeyError(f"unknown control request {name!r}; known: {self.names}. Register it first.") from None
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"request {name!r}: value must be an int >= 1, got {value!r}")
+        if self.closed:
+            raise RequestTimingError(
+                f"control request {name!r} raised in a fit that agrees no requests across ranks: every registered "
+                "callback declares `raises_requests = False` and none was pending when the fit started, so no step "
+                "runs an agreement. Raise it from a callback that does not declare `raises_requests = False` (the "
+                "default None, or True), or before the fit starts (it is then agreed at the fit's first step)"
+            )
         if self.in_step:
             raise RequestTimingError(
                 f"control request {name!r} raised inside the step ({', '.join(e.value for e in IN_STEP_EVENTS)}), after this "

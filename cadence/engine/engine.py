@@ -412,9 +412,17 @@ class Engine:
         # The agreement overlapped with forward and backward: sent after on_step_start,
         # awaited before the optimizer step. Not while a callback requests inside the step.
         overlapped = not self._requests_in_step()
+        # No agreement at all while no registered callback raises requests and none is pending.
+        agreeing = requests.any_pending or self._may_request()
         if plan.agree_finish is not None:  # every rank must take the same way (callbacks may differ by rank)
-            overlapped = not self.backend.reduce(torch.tensor([int(not overlapped)]), "max", "optimizer").item()
-        agree_start, agree_finish = (plan.agree_start, plan.agree_finish) if overlapped else (None, None)
+            flags = torch.tensor([int(not overlapped), int(agreeing)])
+            in_step, agreeing = self.backend.reduce(flags, "max", "optimizer").tolist()
+            overlapped = not in_step
+            # On several ranks a request raised now could not be agreed: refused, naming it.
+            requests.closed = not agreeing
+        if not agreeing:  # the step adds no collective (one rank accepts inline, as without a backend agreement)
+            agree = None
+        agree_start, agree_finish = (plan.agree_start, plan.agree_finish) if overlapped and agreeing else (None, None)
         optimizer_step, skip_step, zero_grad = plan.optimizer_step, plan.skip_step, plan.zero_grad
         plain = plan.autocast is NULL_CONTEXT
         forward = self.compute_loss if plain else partial(_within, plan.autocast, self.compute_loss)
@@ -492,11 +500,19 @@ class Engine:
                 self._end_epoch()
         if state.step % log_interval and state.step > first_step:
             self._log_metrics()  # the steps since the last interval: every fit ends logged
+        requests.closed = False  # requests raised at the fit's end wait for the next fit's agreement
         fire(Event.ON_FIT_END)
 
     def _requests_in_step(self) -> bool:
         """Whether a registered callback may raise control requests inside the step (`Callback.requests_in_step`)."""
         return any(getattr(cb, "requests_in_step", None) is not False for cb in self._bus.listeners(IN_STEP_EVENTS))
+
+    def _may_request(self) -> bool:
+        """Whether a registered callback may raise control requests at all (`Callback.raises_requests`)."""
+        return any(
+            getattr(cb, "raises_requests", None) is not False or getattr(cb, "requests_in_step", None) is True
+            for cb in self._bus.ordered
+        )
 
     def _place(self, batch: Any) -> Any:
         """A batch on the backend's device (as given when it is already there, as on CPU)."""
@@ -718,7 +734,7 @@ class Engine:
         try:
             yield
         except BaseException as exc:
-            self.requests.in_step = False  # left mid-step: on_exception may request
+            self.requests.in_step = self.requests.closed = False  # left mid-fit: on_exception may request
             clearer = checks.explain(self, exc)
             self.exception = exc if clearer is None else clearer
             for error in self._bus.fire_all(Event.ON_EXCEPTION):

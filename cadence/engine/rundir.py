@@ -390,6 +390,7 @@ class RunRecorder(Callback):
     """
 
     order = Order.PREEMPTION - 1
+    raises_requests = False
 
     def __init__(self) -> None:
         self.state_key = "cadence.RunRecorder"

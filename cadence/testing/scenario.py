@@ -105,6 +105,7 @@ class Probe(Callback):
 
     order = 10**9
     requests_in_step = False
+    raises_requests = False
 
     def __init__(self, subject: Any) -> None:
         self.subject = subject

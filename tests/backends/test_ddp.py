@@ -195,6 +195,88 @@ def test_the_overlapped_agreement_agrees_the_same_step_on_every_rank():
         assert out["groups"] == [(True, False, 2), (False, True, 2)]
 
 
+class CountsCollectives(cadence.Callback):
+    """Counts the torch.distributed collectives each step calls from Python; requests nothing."""
+
+    raises_requests = False
+    order = 0
+
+    def __init__(self):
+        self.n, self.per_step, self._start = 0, [], 0
+        for name in ("all_reduce", "all_gather", "broadcast", "barrier", "all_gather_object"):
+            original = getattr(dist, name)
+
+            def counted(*args, _original=original, **kwargs):
+                self.n += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)  # in this forked worker only
+
+    def on_step_start(self, engine):
+        self._start = self.n
+
+    def on_step_end(self, engine):
+        self.per_step.append(self.n - self._start)
+
+
+class StopsAnyway(cadence.Callback):
+    """Declares that it requests nothing, then requests a stop at the end of a fit's second step."""
+
+    raises_requests = False
+
+    def on_fit_start(self, engine):
+        self.at = engine.state.step + 2
+
+    def on_step_end(self, engine):
+        if engine.state.step == self.at:
+            engine.request_stop("undeclared")
+
+
+def test_a_fit_where_no_callback_requests_runs_no_agreement():
+    """No per-step collective unless a registered callback may request; a request then is refused, named."""
+
+    def check():
+        from cadence.callbacks.grad_clip import GradClip
+        from cadence.callbacks.metrics import TrainMetrics
+
+        out = {}
+        counter = CountsCollectives()
+        with engine_on(callbacks=[counter, TrainMetrics(), GradClip(max_norm=1.0)], train={"batch_size": 4}) as engine:
+            rank = engine.backend.rank
+            engine.fit(steps=3)  # only callbacks that request nothing: DDP's own all-reduce, in C++, and nothing else
+            out["quiet"] = counter.per_step[:]
+            # A handler of a callback's bound method speaks for it: still nothing per step.
+            engine.on(cadence.Event.ON_STEP_END)(counter.on_step_end)
+            del counter.per_step[:]
+            engine.fit(steps=2)
+            out["bound"] = counter.per_step[::2]
+            # A plain function may request (on rank 1 only): every rank agrees, one all-reduce per step.
+            handle = engine.on(cadence.Event.ON_SAVE_POINT)(lambda e: None) if rank == 1 else None
+            del counter.per_step[:]
+            engine.fit(steps=2)
+            out["agreeing"] = counter.per_step[::2]
+            if handle is not None:
+                handle.remove()
+            # A request pending when the fit starts (rank 0's): agreed at the fit's first step on both.
+            if rank == 0:
+                engine.request_stop("between fits")
+            engine.fit(steps=5)
+            out["pending"] = engine.state.step
+            # A callback that declares it requests nothing and does: refused on every rank, naming the request.
+            engine.add_callback(StopsAnyway())
+            try:
+                engine.fit(steps=3)
+            except cadence.RequestTimingError as error:
+                out["refused"] = (engine.state.step, "'stop' raised in a fit that agrees no requests" in str(error))
+            return engine.backend.all_gather_object(out)
+
+    for out in run(check):
+        assert out["quiet"] == [0, 0, 0] and out["bound"] == [0, 0]
+        assert out["agreeing"] == [1, 1]
+        assert out["pending"] == 8  # 3 + 2 + 2 steps, then the stop agreed at the first of these 5
+        assert out["refused"] == (10, True)  # raised at the end of the fit's second step, on each rank
+
+
 def test_barrier_names_the_rank_that_never_arrives():
     def check():
         with engine_on() as engine:

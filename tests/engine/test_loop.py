@@ -244,6 +244,67 @@ def test_the_agreement_is_overlapped_unless_a_callback_may_request_inside_the_st
     assert declared.in_step == [False, False] and engine.state.step == 2
 
 
+def test_which_callbacks_may_raise_requests_at_all(tmp_path):
+    """`raises_requests`: the built-ins that never request say False; unknown callbacks and plain functions may."""
+    from cadence.callbacks import (
+        EMA,
+        JSONL,
+        Checkpoint,
+        EarlyStopping,
+        GradClip,
+        Heartbeat,
+        NonFiniteSkip,
+        Preemption,
+        ProgressBar,
+        TextLog,
+        TrainMetrics,
+    )
+
+    def engine_of(*callbacks):
+        model = tiny_model()
+        return cadence.Engine(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(4), loss_fn=F.cross_entropy,
+            callbacks=list(callbacks), seed=0,
+        )  # fmt: skip
+
+    def may_request(*callbacks):
+        return engine_of(*callbacks)._may_request()
+
+    def quiet():
+        return [TrainMetrics(), ProgressBar(), JSONL(), TextLog(), GradClip(max_norm=1.0), EMA(), Heartbeat()]
+
+    assert not may_request() and not may_request(*quiet(), Checkpoint(dir=str(tmp_path)))
+    for requesting in (EarlyStopping(monitor="val.loss"), NonFiniteSkip(), Preemption(), MayRequestInStep()):
+        assert may_request(*quiet(), requesting), requesting
+    assert may_request(ReadsInStep()), "a callback that leaves raises_requests None is taken to request"
+
+    class InStepOnly(Callback):
+        raises_requests = False
+        requests_in_step = True  # requesting inside the step is requesting
+
+    assert may_request(InStepOnly())
+    # A handler of a callback's bound method speaks for the callback; a plain function may request.
+    metrics = TrainMetrics()
+    bound = engine_of(metrics)
+    bound.on(Event.ON_FORWARD)(metrics.on_step_end)
+    assert not bound._may_request() and not bound._requests_in_step()
+    plain = engine_of(TrainMetrics())
+    plain.on(Event.ON_STEP_END)(lambda e: None)
+    assert plain._may_request()
+
+    # On one process nothing is refused: a callback that requests though it declares it does not is obeyed.
+    class StopsAnyway(Callback):
+        raises_requests = False
+
+        def on_step_end(self, engine):
+            if engine.state.step == 2:
+                engine.request_stop("undeclared")
+
+    engine = engine_of(StopsAnyway())
+    engine.fit(steps=5)
+    assert engine.state.step == 3 and not engine.requests.closed
+
+
 def test_evaluate_is_exact_over_unequal_batches():
     model = tiny_model()
     batches = [(torch.randn(n, 8), torch.randint(0, 4, (n,))) for n in (5, 3, 8)]

@@ -69,6 +69,7 @@ class GradientHistogram(cadence.Callback):
 
     order = Order.NON_FINITE + 5
     requests_in_step = False  # reads gradients; requests nothing
+    raises_requests = False
 
     def __init__(self, config: GradientHistogramConfig | None = None, **kwargs: Any) -> None:
         if config is not None and kwargs:
