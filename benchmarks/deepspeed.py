@@ -194,7 +194,14 @@ def _digest(module, stage: int) -> str:
     return digest.hexdigest()[:16]
 
 
-def alternating_worker(stage: int, precision: str, steps: int, rounds: int, blocking: bool = False) -> dict:
+AGREEMENTS = {
+    "none": "none (no callback may request)",
+    "overlapped": "overlapped (--overlapped)",
+    "blocking": "before the optimizer step (--blocking)",
+}
+
+
+def alternating_worker(stage: int, precision: str, steps: int, rounds: int, agreement: str = "none") -> dict:
     """One launch holding both loops (two DeepSpeed engines on copies of one model), timed in alternated rounds."""
     import copy
 
@@ -222,7 +229,11 @@ def alternating_worker(stage: int, precision: str, steps: int, rounds: int, bloc
         precision,
         micro,
         log_interval=10**9,
-        callbacks=[_fit_timing().InStepRequester()] if blocking else [],
+        callbacks={
+            "none": [],
+            "overlapped": [_fit_timing().Requester()],
+            "blocking": [_fit_timing().InStepRequester()],
+        }[agreement],
     )
 
     def timed(fn) -> float:
@@ -253,7 +264,7 @@ def one_launch(args: argparse.Namespace) -> None:
     print(f"{'stage':8} {'raw us/step':>12} {'cadence us/step':>16}   pair ratio median (quartiles)   ratio of medians")
     for stage in args.stages:
         got = launch(
-            alternating_worker, stage, args.precision, args.steps, args.rounds, args.blocking, nprocs=2,
+            alternating_worker, stage, args.precision, args.steps, args.rounds, args.agreement, nprocs=2,
             start_method="fork", timeout=3600,
         )  # fmt: skip
         if not got["equal"]:
@@ -264,7 +275,7 @@ def one_launch(args: argparse.Namespace) -> None:
         print(f"ZeRO-{stage:<3} {raw:12.0f} {ours:16.0f}   {median:.3f} ({q1:.3f}-{q3:.3f}){'':14} {ours / raw:.3f}")
     print(
         f"(W2, 2 ranks, {args.precision}, {args.rounds} alternated rounds of {args.steps} steps in one launch, "
-        f"Cadence's agreement {'before the optimizer step' if args.blocking else 'overlapped'}, "
+        f"Cadence's agreement: {AGREEMENTS[args.agreement]}, "
         "parameters checked equal at the end; target <= 1.03)"
     )
 
@@ -276,9 +287,22 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[0, 1, 2, 3])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--rounds", type=int, default=21, help="alternated rounds in one launch (the default mode)")
-    parser.add_argument(
-        "--blocking", action="store_true", help="Cadence with its agreement before the optimizer step (not overlapped)"
+    agreement = parser.add_mutually_exclusive_group()
+    agreement.add_argument(
+        "--overlapped",
+        dest="agreement",
+        action="store_const",
+        const="overlapped",
+        help="Cadence with a callback that may request: its agreement, overlapped with forward and backward",
     )
+    agreement.add_argument(
+        "--blocking",
+        dest="agreement",
+        action="store_const",
+        const="blocking",
+        help="Cadence with its agreement before the optimizer step (not overlapped)",
+    )
+    parser.set_defaults(agreement="none")
     parser.add_argument(
         "--separate", action="store_true", help="each side in fresh processes per pair (--repeats pairs) instead"
     )

@@ -5,7 +5,9 @@ between two windows (`mesh.py`: hand-written FSDP2 / TP rounds; `overhead.py`: r
 keeps those out of the per-step figure, and neighbouring windows and blocks are close in time, so
 the machine's drift cancels.
 
-`InStepRequester`: what `--blocking` of `mesh.py` and `deepspeed.py` registers.
+`Requester` and `InStepRequester`: what `--overlapped` and `--blocking` of `mesh.py` and
+`deepspeed.py` register. Without either, no registered callback may raise a control request, and
+a fit on several ranks runs no agreement per step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Windows:
     """
 
     requests_in_step = False
+    raises_requests = False  # times; requests nothing
     order = 10**6  # after every other callback: a window holds each step's whole end
 
     def __init__(
@@ -52,6 +55,18 @@ class Windows:
         """Each reference against the mean of the windows on either side of it."""
         w = self.windows
         return [(w[i] + w[i + 1]) / 2 / ref for i, ref in enumerate(self.references)]
+
+
+class Requester:
+    """Declares that it may raise control requests outside the step, raises none, and has no hook.
+
+    Registered, it makes a fit on several ranks agree the step's requests, sent after
+    `on_step_start` and awaited before the optimizer step, as any callback that may request
+    (`Preemption`, `EarlyStopping`, a user's own) does.
+    """
+
+    raises_requests = True
+    requests_in_step = False
 
 
 class InStepRequester:

@@ -13,12 +13,14 @@ each rank reading half the batch; TP: `shard=1, tensor=2`, the LM's `parallelize
 column/row split, both ranks reading the whole batch), one launch of 2 forked gloo ranks holds
 both loops, built from the same weights, and times them in turns:
 
-- Cadence: one `Engine.fit` with `MeshBackend(...)` (its DataLoader and sampler, the events,
-  the step's agreement all-reduce, overlapped with forward and backward), AdamW, and one callback
-  that times windows of `--steps` steps at `on_step_end` and runs the hand-written rounds between
-  them (`fit_timing.Windows`; `--blocking`: also `fit_timing.InStepRequester`, a no-op callback
-  declaring `requests_in_step = True`, so the agreement runs, blocking, before the optimizer step,
-  as it did on every step before 2026-11-26);
+- Cadence: one `Engine.fit` with `MeshBackend(...)` (its DataLoader and sampler, the events),
+  AdamW, and one callback that times windows of `--steps` steps at `on_step_end` and runs the
+  hand-written rounds between them (`fit_timing.Windows`, which requests nothing: no agreement
+  per step); `--overlapped`: also `fit_timing.Requester`, a callback that may request, so the
+  step's agreement all-reduce runs, overlapped with forward and backward, as in a run with
+  `Preemption` or `EarlyStopping`; `--blocking`: `fit_timing.InStepRequester` instead, a no-op
+  callback declaring `requests_in_step = True`, so the agreement runs, blocking, before the
+  optimizer step, as it did on every step before 2026-11-26;
 - by hand: `fully_shard` on the same units and the root over a 1-D mesh (FSDP2), or the same
   `parallelize_module` plan on a 1-D "tensor" mesh (TP); a `DataLoader` with a
   `DistributedSampler` over the data ranks; forward, loss, backward, `optimizer.step()`,
@@ -281,7 +283,7 @@ def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str,
     import copy
 
     import torch.distributed as dist
-    from fit_timing import InStepRequester, Windows
+    from fit_timing import InStepRequester, Requester, Windows
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -307,7 +309,7 @@ def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str,
         log_interval=10**9,
         eval_every_epochs=None,
         train={"batch_size": per_rank, "drop_last": True},
-        callbacks=[InStepRequester()] if args.blocking else [],
+        callbacks=[InStepRequester()] if args.blocking else [Requester()] if args.overlapped else [],
     )
 
     # -- by hand --
@@ -369,7 +371,13 @@ def loop(args: argparse.Namespace) -> None:
             got = cadence.launch(loop_rank, args, workload, layout, nprocs=2, start_method="fork", timeout=3600)
             c, h = statistics.median(got["cadence"]), statistics.median(got["hand"])
             print(f"{workload + ' ' + layout:14} {c * 1e3:16.2f} {h * 1e3:16.2f}   {_spread(got['ratios']):24} <= 1.03")
-    way = "before the optimizer step (--blocking)" if args.blocking else "overlapped"
+    way = (
+        "before the optimizer step (--blocking)"
+        if args.blocking
+        else "overlapped (--overlapped)"
+        if args.overlapped
+        else "none: no callback may request"
+    )
     print(
         f"({args.repeats} hand-written rounds of {args.steps} steps between {args.repeats + 1} Cadence windows of as many "
         f"steps in one fit, 2 gloo ranks, 1 thread each; "
@@ -389,7 +397,11 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["fsdp2", "tp"], help="loop: layouts")
     parser.add_argument("--gb", type=float, default=1.2, help="DCP: gigabytes of sharded state in all (default 1.2)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default: loop 7, dcp 5)")
-    parser.add_argument(
+    agreement = parser.add_mutually_exclusive_group()
+    agreement.add_argument(
+        "--overlapped", action="store_true", help="loop: with a callback that may request (the agreement, overlapped)"
+    )
+    agreement.add_argument(
         "--blocking", action="store_true", help="loop: Cadence's agreement before the optimizer step (not overlapped)"
     )
     parser.add_argument("--dir", default=None, help="a folder on the disk to measure (default: a temp folder here)")
