@@ -14,7 +14,8 @@ Two processes started by `cadence.launch` (fork), one thread each on CPU
 what the backend does, written by hand: the same DeepSpeed config
 (`cadence.backends.deepspeed.build_config`), per micro-batch `ds(x)`, loss,
 `ds.backward(loss / 2, scale_wrt_gas=False)`, one `ds.step()` per step.
-Cadence adds its events and the per-step agreement (one small all-reduce).
+Cadence adds its events; with `--overlapped` (a callback that may request)
+or `--blocking` also the per-step agreement (one small all-reduce).
 
 By default one launch per stage holds both loops (two DeepSpeed engines on
 copies of one model, each with its own Adam) and times them in alternated
@@ -194,13 +195,6 @@ def _digest(module, stage: int) -> str:
     return digest.hexdigest()[:16]
 
 
-AGREEMENTS = {
-    "none": "none (no callback may request)",
-    "overlapped": "overlapped (--overlapped)",
-    "blocking": "before the optimizer step (--blocking)",
-}
-
-
 def alternating_worker(stage: int, precision: str, steps: int, rounds: int, agreement: str = "none") -> dict:
     """One launch holding both loops (two DeepSpeed engines on copies of one model), timed in alternated rounds."""
     import copy
@@ -229,11 +223,7 @@ def alternating_worker(stage: int, precision: str, steps: int, rounds: int, agre
         precision,
         micro,
         log_interval=10**9,
-        callbacks={
-            "none": [],
-            "overlapped": [_fit_timing().Requester()],
-            "blocking": [_fit_timing().InStepRequester()],
-        }[agreement],
+        callbacks=_fit_timing().agreement_callbacks(agreement),
     )
 
     def timed(fn) -> float:
@@ -275,7 +265,7 @@ def one_launch(args: argparse.Namespace) -> None:
         print(f"ZeRO-{stage:<3} {raw:12.0f} {ours:16.0f}   {median:.3f} ({q1:.3f}-{q3:.3f}){'':14} {ours / raw:.3f}")
     print(
         f"(W2, 2 ranks, {args.precision}, {args.rounds} alternated rounds of {args.steps} steps in one launch, "
-        f"Cadence's agreement: {AGREEMENTS[args.agreement]}, "
+        f"Cadence's agreement: {_fit_timing().AGREEMENTS[args.agreement]}, "
         "parameters checked equal at the end; target <= 1.03)"
     )
 
@@ -287,22 +277,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[0, 1, 2, 3])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--rounds", type=int, default=21, help="alternated rounds in one launch (the default mode)")
-    agreement = parser.add_mutually_exclusive_group()
-    agreement.add_argument(
-        "--overlapped",
-        dest="agreement",
-        action="store_const",
-        const="overlapped",
-        help="Cadence with a callback that may request: its agreement, overlapped with forward and backward",
-    )
-    agreement.add_argument(
-        "--blocking",
-        dest="agreement",
-        action="store_const",
-        const="blocking",
-        help="Cadence with its agreement before the optimizer step (not overlapped)",
-    )
-    parser.set_defaults(agreement="none")
+    _fit_timing().add_agreement_options(parser)
     parser.add_argument(
         "--separate", action="store_true", help="each side in fresh processes per pair (--repeats pairs) instead"
     )

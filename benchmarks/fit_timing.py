@@ -6,8 +6,9 @@ keeps those out of the per-step figure, and neighbouring windows and blocks are 
 the machine's drift cancels.
 
 `Requester` and `InStepRequester`: what `--overlapped` and `--blocking` of `mesh.py` and
-`deepspeed.py` register. Without either, no registered callback may raise a control request, and
-a fit on several ranks runs no agreement per step.
+`deepspeed.py` register (`add_agreement_options`, `agreement_callbacks`). Without either, no
+registered callback may raise a control request, and a fit on several ranks runs no agreement
+per step.
 """
 
 from __future__ import annotations
@@ -81,3 +82,36 @@ class InStepRequester:
 
     def on_before_optimizer_step(self, engine: Any) -> None:
         """Nothing: overriding an in-step hook, with the declaration above, is what counts."""
+
+
+#: What each `--agreement` mode means, as the benchmarks print it.
+AGREEMENTS = {
+    "none": "none (no callback may request)",
+    "overlapped": "overlapped (--overlapped)",
+    "blocking": "before the optimizer step (--blocking)",
+}
+
+
+def add_agreement_options(parser: Any) -> None:
+    """`--overlapped` / `--blocking` on an argparse parser, as `args.agreement` (default "none")."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--overlapped",
+        dest="agreement",
+        action="store_const",
+        const="overlapped",
+        help="Cadence with a callback that may request: its agreement, overlapped with forward and backward",
+    )
+    group.add_argument(
+        "--blocking",
+        dest="agreement",
+        action="store_const",
+        const="blocking",
+        help="Cadence with its agreement before the optimizer step (not overlapped)",
+    )
+    parser.set_defaults(agreement="none")
+
+
+def agreement_callbacks(agreement: str) -> list[Any]:
+    """The callbacks that give Cadence's fit the agreement of mode `agreement` (one of `AGREEMENTS`)."""
+    return {"none": [], "overlapped": [Requester()], "blocking": [InStepRequester()]}[agreement]

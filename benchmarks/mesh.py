@@ -283,7 +283,7 @@ def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str,
     import copy
 
     import torch.distributed as dist
-    from fit_timing import InStepRequester, Requester, Windows
+    from fit_timing import Windows, agreement_callbacks
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -309,7 +309,7 @@ def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str,
         log_interval=10**9,
         eval_every_epochs=None,
         train={"batch_size": per_rank, "drop_last": True},
-        callbacks=[InStepRequester()] if args.blocking else [Requester()] if args.overlapped else [],
+        callbacks=agreement_callbacks(args.agreement),
     )
 
     # -- by hand --
@@ -363,6 +363,8 @@ def loop_rank(args: argparse.Namespace, workload: str, layout: str) -> dict[str,
 
 
 def loop(args: argparse.Namespace) -> None:
+    from fit_timing import AGREEMENTS
+
     import cadence
 
     print(f"{'case':14} {'cadence ms/step':>16} {'by hand ms/step':>16}   {'ratio median (min-max)':24} target")
@@ -371,17 +373,10 @@ def loop(args: argparse.Namespace) -> None:
             got = cadence.launch(loop_rank, args, workload, layout, nprocs=2, start_method="fork", timeout=3600)
             c, h = statistics.median(got["cadence"]), statistics.median(got["hand"])
             print(f"{workload + ' ' + layout:14} {c * 1e3:16.2f} {h * 1e3:16.2f}   {_spread(got['ratios']):24} <= 1.03")
-    way = (
-        "before the optimizer step (--blocking)"
-        if args.blocking
-        else "overlapped (--overlapped)"
-        if args.overlapped
-        else "none: no callback may request"
-    )
     print(
         f"({args.repeats} hand-written rounds of {args.steps} steps between {args.repeats + 1} Cadence windows of as many "
         f"steps in one fit, 2 gloo ranks, 1 thread each; "
-        f"Cadence's agreement {way})"
+        f"Cadence's agreement: {AGREEMENTS[args.agreement]})"
     )
 
 
@@ -390,6 +385,8 @@ def _spread(values: list[float]) -> str:
 
 
 def main() -> None:
+    from fit_timing import add_agreement_options
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("section", choices=["loop", "dcp"], help="which benchmark")
     parser.add_argument("--steps", type=int, default=10, help="loop: steps per timed round and window")
@@ -397,13 +394,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["fsdp2", "tp"], help="loop: layouts")
     parser.add_argument("--gb", type=float, default=1.2, help="DCP: gigabytes of sharded state in all (default 1.2)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default: loop 7, dcp 5)")
-    agreement = parser.add_mutually_exclusive_group()
-    agreement.add_argument(
-        "--overlapped", action="store_true", help="loop: with a callback that may request (the agreement, overlapped)"
-    )
-    agreement.add_argument(
-        "--blocking", action="store_true", help="loop: Cadence's agreement before the optimizer step (not overlapped)"
-    )
+    add_agreement_options(parser)
     parser.add_argument("--dir", default=None, help="a folder on the disk to measure (default: a temp folder here)")
     args = parser.parse_args()
     print("load average (1, 5, 15 min) at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))

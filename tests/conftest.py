@@ -33,6 +33,46 @@ def tiny_dataset(n: int = 96, inputs: int = 8, classes: int = 4, seed: int = 1) 
     )
 
 
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor",
+    "all_gather_object", "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all_single",
+)  # fmt: skip
+
+
+def count_collectives() -> dict[str, int]:
+    """Count every torch.distributed collective called from Python in this (forked) process."""
+    import torch.distributed as dist
+
+    counter = {"n": 0}
+    for name in _COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counted(*args, _original=original, **kwargs):
+            counter["n"] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return counter
+
+
+class CollectivesPerStep:
+    """A first callback that records how many `count_collectives` saw in each step; requests nothing."""
+
+    order = 0
+    raises_requests = False
+
+    def __init__(self, counter: dict[str, int]) -> None:
+        self.counter, self.per_step, self._start = counter, [], 0
+
+    def on_step_start(self, engine) -> None:
+        self._start = self.counter["n"]
+
+    def on_step_end(self, engine) -> None:
+        self.per_step.append(self.counter["n"] - self._start)
+
+
 @pytest.fixture(autouse=True)
 def _run_in_tmp_cwd(tmp_path, monkeypatch):
     # Engines default to a ./runs workspace: keep every test's files in its tmp dir.

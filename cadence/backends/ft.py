@@ -661,7 +661,7 @@ def local_shards(tree: Any, copies: frozenset[int] = frozenset()) -> Any:
     if _is_dtensor(tree):
         shard = local_shards(tree.to_local(), copies)
         return {_SHARD: shard, "shape": tuple(tree.shape), "stride": tuple(tree.stride())}
-    if copies and hasattr(tree, "untyped_storage") and tree.untyped_storage().data_ptr() in copies:
+    if copies and hasattr(tree, "untyped_storage") and storage_of(tree) in copies:
         return tree.clone()
     return tree
 

@@ -16,7 +16,7 @@ import cadence
 from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend, OverlappedAgreement
 from cadence.engine.control import Requests
 from cadence.launch import launch
-from tests.conftest import tiny_dataset, tiny_model
+from tests.conftest import CollectivesPerStep, count_collectives, tiny_dataset, tiny_model
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -195,30 +195,6 @@ def test_the_overlapped_agreement_agrees_the_same_step_on_every_rank():
         assert out["groups"] == [(True, False, 2), (False, True, 2)]
 
 
-class CountsCollectives(cadence.Callback):
-    """Counts the torch.distributed collectives each step calls from Python; requests nothing."""
-
-    raises_requests = False
-    order = 0
-
-    def __init__(self):
-        self.n, self.per_step, self._start = 0, [], 0
-        for name in ("all_reduce", "all_gather", "broadcast", "barrier", "all_gather_object"):
-            original = getattr(dist, name)
-
-            def counted(*args, _original=original, **kwargs):
-                self.n += 1
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, counted)  # in this forked worker only
-
-    def on_step_start(self, engine):
-        self._start = self.n
-
-    def on_step_end(self, engine):
-        self.per_step.append(self.n - self._start)
-
-
 class StopsAnyway(cadence.Callback):
     """Declares that it requests nothing, then requests a stop at the end of a fit's second step."""
 
@@ -240,7 +216,7 @@ def test_a_fit_where_no_callback_requests_runs_no_agreement():
         from cadence.callbacks.metrics import TrainMetrics
 
         out = {}
-        counter = CountsCollectives()
+        counter = CollectivesPerStep(count_collectives())
         with engine_on(callbacks=[counter, TrainMetrics(), GradClip(max_norm=1.0)], train={"batch_size": 4}) as engine:
             rank = engine.backend.rank
             engine.fit(steps=3)  # only callbacks that request nothing: DDP's own all-reduce, in C++, and nothing else

@@ -15,7 +15,7 @@ from cadence import Event
 from cadence.callbacks import NonFiniteSkip
 from cadence.callbacks.non_finite import NonFiniteError
 from cadence.launch import launch
-from tests.conftest import tiny_batches, tiny_dataset, tiny_model
+from tests.conftest import CollectivesPerStep, count_collectives, tiny_batches, tiny_dataset, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,42 +108,6 @@ def test_state_round_trip_and_config():
 
 
 # -- two gloo ranks ---------------------------------------------------------------
-
-_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor",
-    "all_gather_object", "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all_single",
-)  # fmt: skip
-
-
-def count_collectives():
-    """Count every torch.distributed collective called from Python in this (forked) process."""
-    import torch.distributed as dist
-
-    counter = {"n": 0}
-    for name in _COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def counted(*args, _original=original, **kwargs):
-            counter["n"] += 1
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-    return counter
-
-
-class CollectivesPerStep(cadence.Callback):
-    order = 0
-
-    def __init__(self, counter):
-        self.counter, self.per_step, self._start = counter, [], 0
-
-    def on_step_start(self, engine):
-        self._start = self.counter["n"]
-
-    def on_step_end(self, engine):
-        self.per_step.append(self.counter["n"] - self._start)
 
 
 def ddp_engine(callbacks):
