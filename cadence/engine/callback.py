@@ -57,16 +57,21 @@ class Callback:
     #: built-in callbacks that never request declare False; `NonFiniteSkip`,
     #: `EarlyStopping` and `Preemption` declare True.
     raises_requests: ClassVar[bool | None] = None
+    # `state_key` once set; the class's None until then (a subclass need not call __init__).
+    _state_key: str | None = None
 
     @property
     def state_key(self) -> str:
         """The key of this callback's state in a checkpoint (must be unique)."""
-        key = self.__dict__.get("_state_key")
+        key = self._state_key
         return key if key is not None else type(self).__qualname__
 
     @state_key.setter
     def state_key(self, value: str) -> None:
-        self.__dict__["_state_key"] = value
+        # A plain attribute, never through `self.__dict__`: on CPython, reading an instance's
+        # `__dict__` moves its attributes out of the object into a dict object for good, and
+        # every attribute access in its hooks then takes the slow generic path (3x).
+        self._state_key = value
 
     def has_state(self) -> bool:
         """Whether this callback defines its own `state_dict`."""
