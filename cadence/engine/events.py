@@ -46,6 +46,7 @@ class Event(_StrEnum):
               evaluate(split)             each evaluation set due (eval_every_steps / eval_sets)
               on_save_point               checkpoint, preemption: the step is complete,
                                           its evaluation included
+              engine.batch, engine.outputs = None (released with the step; engine.loss stays)
             state.epoch += 1              the epoch's data ran out
             evaluate(split)               each evaluation set due (eval_every_epochs / eval_sets)
             on_epoch_end

@@ -95,8 +95,10 @@ def test_step_fn_and_model_returning_loss():
 
     model = WithLoss()
     engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(), seed=0)
+    seen = []
+    engine.on(Event.ON_STEP_END)(lambda e: seen.append(type(e.outputs)))
     engine.fit(steps=3)
-    assert engine.state.step == 3 and isinstance(engine.outputs, dict)
+    assert engine.state.step == 3 and seen == [dict] * 3
 
     model = tiny_model()
     engine = cadence.Engine(
@@ -108,6 +110,29 @@ def test_step_fn_and_model_returning_loss():
     )
     engine.fit(steps=3)
     assert engine.state.step == 3
+
+
+def test_a_steps_batch_and_outputs_are_released_when_the_step_ends():
+    """The next forward does not run beside the last step's outputs; engine.loss stays for after the fit."""
+    import weakref
+
+    model = tiny_model()
+    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(), loss_fn=F.cross_entropy)
+    previous: list[weakref.ref] = []
+    alive_at_next_step = []
+    seen_at_step_end = []
+
+    def keep(e):
+        seen_at_step_end.append(e.outputs is not None and e.batch is not None)
+        previous.append(weakref.ref(e.outputs))
+
+    engine.on(Event.ON_STEP_START)(lambda e: previous and alive_at_next_step.append(previous[-1]() is not None))
+    engine.on(Event.ON_SAVE_POINT)(keep)
+    engine.fit(steps=3)
+    assert seen_at_step_end == [True] * 3
+    assert alive_at_next_step == [False, False]
+    assert engine.outputs is None and engine.batch is None
+    assert isinstance(engine.loss, torch.Tensor)
 
 
 def test_bad_model_output_and_batches_are_named():
