@@ -19,7 +19,8 @@ from typing import Any
 
 
 class Windows:
-    """A last callback that cuts a fit into windows of `steps` steps at `on_step_end`.
+    """A last callback that cuts a fit into windows of `steps` steps at `on_step_end` (or, with
+    `cut_at_log_intervals`, a metrics collector that does, with no per-step hook).
 
     At each window's end it records the window (seconds per step), runs `reference()` (which
     returns its own seconds per step) until `rounds` of them ran, calls `align()` if given (e.g. a
@@ -44,6 +45,28 @@ class Windows:
         self.count += 1
         if self.count % self.steps:
             return
+        self._cut()
+
+    def cut_at_log_intervals(self, engine: Any) -> None:
+        """Cut from a metrics collector instead of as a callback: no per-step hook of the harness.
+
+        The engine runs its collectors at every log interval (`MetricStore.add_collector`), after
+        the step's on_step_end hooks and before the interval's on_log: each window then holds
+        `steps` whole steps and their intervals' work, and Cadence's side carries nothing per step
+        that a user's run would not. `steps` must be a multiple of the engine's log interval.
+        """
+        interval = engine.config.log_interval
+        if self.steps % interval:
+            raise ValueError(f"Windows: {self.steps} steps is not a multiple of the log interval, {interval}")
+        first = engine.state.step
+
+        def collect() -> None:
+            if (engine.state.step - first) % self.steps == 0:
+                self._cut()
+
+        engine.metrics.add_collector(collect)
+
+    def _cut(self) -> None:
         if self.start is not None:
             self.windows.append((time.perf_counter() - self.start) / self.steps)
             if len(self.references) < self.rounds:

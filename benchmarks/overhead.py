@@ -283,7 +283,8 @@ def sinks_windows(rounds: int, block: int = 100) -> dict:
     """Bare Cadence and the default sinks against the raw loop in one process, in their steady state (W1).
 
     For each of the two (bare Cadence, then Cadence with `default_callbacks()`), one `fit` is cut
-    into windows of `block` steps by a last callback (`fit_timing.Windows`, one call per step), which runs a
+    into windows of `block` steps by a metrics collector at the log intervals
+    (`fit_timing.Windows.cut_at_log_intervals`: no per-step hook is added to Cadence's side), which runs a
     timed block of the raw loop between two windows; each raw block is set against the mean of the
     windows on either side of it. The three share one model, optimizer and data. No `fit` start or
     end falls inside a window (a run pays those once), and neighbouring windows and blocks are
@@ -323,11 +324,12 @@ def sinks_windows(rounds: int, block: int = 100) -> dict:
             optimizer,
             data,
             loss_fn=F.cross_entropy,
-            callbacks=[*callbacks, windows],
+            callbacks=callbacks,
             seed=0,
             log_interval=50,
             workspace=workspace,
         )
+        windows.cut_at_log_intervals(engine)  # no per-step hook on Cadence's side
         engine.fit(steps=(rounds + 2) * block)  # the first window is a warm-up
         engine.close()
         ratios = windows.ratios()
