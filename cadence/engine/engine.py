@@ -452,6 +452,8 @@ class Engine:
                         hooks[_ON_BATCH] and fires[_ON_BATCH](self)
                         sync is None or sync(i == n)  # accumulate locally, sync on the last micro-batch
                         batch = self.batch
+                        # The last forward's outputs (a language model's logits) do not live through this one.
+                        self.outputs = None
                         if pair_loss is not None and type(batch) is tuple and len(batch) == 2:
                             self.outputs = model(batch[0])
                             self.loss = pair_loss(self.outputs, batch[1])
@@ -494,10 +496,6 @@ class Engine:
                 if eval_every and state.step % eval_every == 0:
                     self._evaluate_due(eval_steps, state.step)
                 hooks[_ON_SAVE_POINT] and fires[_ON_SAVE_POINT](self)  # checkpoint, preemption
-                # The step's batch and outputs go with the step: the next forward does not run
-                # beside the last one's outputs (a language model's logits), and the heap frees
-                # them where it allocated them. `engine.loss` stays, for reading after a fit.
-                self.batch = self.outputs = batch = None
                 if agreed[stop] or state.step >= stop_step:
                     break
             if feed.epoch_over(source, state, accum):

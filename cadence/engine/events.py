@@ -32,7 +32,7 @@ class Event(_StrEnum):
                                     a backend overriding forward_backward runs
                                     them on its own schedule, e.g. pipeline):
                 on_batch                  engine.batch on device; may be replaced
-                forward -> loss           under backend.autocast()
+                forward -> loss           under backend.autocast(); the last outputs released first
                 on_forward                engine.outputs, engine.loss; loss may be replaced
                 backward
                 on_backward
@@ -46,7 +46,6 @@ class Event(_StrEnum):
               evaluate(split)             each evaluation set due (eval_every_steps / eval_sets)
               on_save_point               checkpoint, preemption: the step is complete,
                                           its evaluation included
-              engine.batch, engine.outputs = None (released with the step; engine.loss stays)
             state.epoch += 1              the epoch's data ran out
             evaluate(split)               each evaluation set due (eval_every_epochs / eval_sets)
             on_epoch_end

@@ -95,10 +95,8 @@ def test_step_fn_and_model_returning_loss():
 
     model = WithLoss()
     engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(), seed=0)
-    seen = []
-    engine.on(Event.ON_STEP_END)(lambda e: seen.append(type(e.outputs)))
     engine.fit(steps=3)
-    assert engine.state.step == 3 and seen == [dict] * 3
+    assert engine.state.step == 3 and isinstance(engine.outputs, dict)
 
     model = tiny_model()
     engine = cadence.Engine(
@@ -112,27 +110,36 @@ def test_step_fn_and_model_returning_loss():
     assert engine.state.step == 3
 
 
-def test_a_steps_batch_and_outputs_are_released_when_the_step_ends():
-    """The next forward does not run beside the last step's outputs; engine.loss stays for after the fit."""
+def test_the_last_outputs_are_released_before_the_next_forward():
+    """A forward never runs beside the previous one's outputs (a language model's logits).
+
+    They stay readable through the step and after the fit, as `engine.loss` does.
+    """
     import weakref
 
-    model = tiny_model()
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_model()
+            self.previous = None
+            self.alive_at_forward = []
+
+        def forward(self, x):
+            if self.previous is not None:
+                self.alive_at_forward.append(self.previous() is not None)
+            out = self.net(x)
+            self.previous = weakref.ref(out)
+            return out
+
+    model = Probe()
     engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(), loss_fn=F.cross_entropy)
-    previous: list[weakref.ref] = []
-    alive_at_next_step = []
-    seen_at_step_end = []
-
-    def keep(e):
-        seen_at_step_end.append(e.outputs is not None and e.batch is not None)
-        previous.append(weakref.ref(e.outputs))
-
-    engine.on(Event.ON_STEP_START)(lambda e: previous and alive_at_next_step.append(previous[-1]() is not None))
-    engine.on(Event.ON_SAVE_POINT)(keep)
+    at_step_end = []
+    engine.on(Event.ON_STEP_END)(lambda e: at_step_end.append(e.outputs is model.previous()))
     engine.fit(steps=3)
-    assert seen_at_step_end == [True] * 3
-    assert alive_at_next_step == [False, False]
-    assert engine.outputs is None and engine.batch is None
-    assert isinstance(engine.loss, torch.Tensor)
+    engine.fit(steps=1)  # the next fit's first forward too
+    assert model.alive_at_forward == [False] * 3
+    assert at_step_end == [True] * 4
+    assert engine.outputs is model.previous() and isinstance(engine.loss, torch.Tensor)
 
 
 def test_bad_model_output_and_batches_are_named():
