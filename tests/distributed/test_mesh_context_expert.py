@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -293,8 +294,18 @@ def train_context(options: dict) -> dict:
         model_config(causal=False), MeshBackend(**options, timeout=30), 2, callbacks, seed=rank, grad_accum=2
     ) as engine:
         inputs = engine.model.rope_cos.shape
+        # Whether the last micro-batch's outputs are still alive when the next forward starts.
+        last, alive_at_forward = [None], []
+
+        def before_forward(module, args):  # returns None: the inputs stay as they are
+            if last[0] is not None:
+                alive_at_forward.append(last[0]() is not None)
+
+        engine.model.register_forward_pre_hook(before_forward)
+        engine.on(cadence.Event.ON_FORWARD)(lambda e: last.__setitem__(0, weakref.ref(e.outputs)))
         engine.fit(steps=STEPS)
         return {
+            "outputs_alive_at_forward": alive_at_forward,
             "loss": grads.loss,
             "grads": grads.grads,
             "params": flat(engine.model),
@@ -310,6 +321,7 @@ def test_context_parallel_math_non_causal_equals_one_process():
     # Context ranks read the same batches; 2 micro-batches per step (gradient sync on the last only).
     ref = one_process(model_config(causal=False), batch_size=2, grad_accum=2)
     assert got["data"] == (0, 1) and got["schedule"] and got["rope_restored"]
+    assert got["outputs_alive_at_forward"] == [False] * (2 * STEPS - 1)  # a forward never beside the last outputs
     # engine.loss is the whole sequence's loss (the context ranks' mean).
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)
     for name, grad in ref["grads"].items():

@@ -166,6 +166,7 @@ class ContextSchedule:
                 context_parallel(self.mesh, buffers=tensors, buffer_seq_dims=dims, no_restore_buffers=keep),
                 self._attention(),
             ):
+                engine.outputs = None  # as the engine's loop: the last outputs do not live through this forward
                 with self.autocast:
                     engine.outputs, loss = engine.compute_loss(engine.batch)
                 whole = loss.detach().clone()
