@@ -179,6 +179,21 @@ def test_handle_remove_unregisters():
         handle.remove()
 
 
+def test_an_event_dispatches_the_same_with_one_hook_and_with_several():
+    """One hook is called without the loop; registering and removing switch between the two ways."""
+    engine = make_engine()
+    calls = []
+    first = engine.on(Event.ON_STEP_END)(lambda e: calls.append(("a", e.state.step)))
+    engine.fit(steps=1)
+    second = engine.on(Event.ON_STEP_END, order=10)(lambda e: calls.append(("b", e.state.step)))
+    engine.fit(steps=1)
+    first.remove()
+    engine.fit(steps=1)
+    second.remove()
+    engine.fit(steps=1)
+    assert calls == [("a", 1), ("b", 2), ("a", 2), ("b", 3)]
+
+
 def test_bad_filter_values():
     engine = make_engine()
     with pytest.raises(ValueError, match="every must be an int >= 1"):
