@@ -445,8 +445,16 @@ def move_to(batch: Any, device: torch.device, non_blocking: bool = False) -> Any
     return batch
 
 
+_Tensor = torch.Tensor
+
+
 def batch_size(batch: Any) -> int:
     """Number of samples in a batch: the first dimension of its first tensor (1 if none)."""
+    # The loop counts every step's samples: `(inputs, targets)` with a plain tensor first
+    # takes the short way (a third of the bytecode of the walk below).
+    if type(batch) is tuple and batch and type(batch[0]) is _Tensor:
+        shape = batch[0].shape
+        return shape[0] if shape else 1
     while True:
         kind = type(batch)
         # Exact types first: the loop counts every step's samples, and an

@@ -447,10 +447,13 @@ class Engine:
                 if schedule is not None:  # the backend runs the micro-batches (pipeline)
                     schedule(self, micro_batches)
                 else:
-                    for i, batch in enumerate(micro_batches, 1):
+                    i = 0
+                    for batch in micro_batches:
                         self.batch = batch if to_device is None else to_device(batch)
                         hooks[_ON_BATCH] and fires[_ON_BATCH](self)
-                        sync is None or sync(i == n)  # accumulate locally, sync on the last micro-batch
+                        if sync is not None:
+                            i += 1
+                            sync(i == n)  # accumulate locally, sync on the last micro-batch
                         batch = self.batch
                         # The last forward's outputs (a language model's logits) do not live through this one.
                         self.outputs = None

@@ -30,26 +30,41 @@ class TrainFeed:
 
     def steps(self, source: DataSource, state: State, accum: int) -> Iterator[Sequence[Any]]:
         """The micro-batches of each step until the open epoch's data runs out."""
+        return self._single(source, state) if accum == 1 else self._groups(source, state, accum)
+
+    def _single(self, source: DataSource, state: State) -> Iterator[Sequence[Any]]:
+        # `_groups` for one micro-batch a step, the usual case: no slice and no list per step.
         while True:
             if self.pending is None:
                 if self.iterator is None:
                     self.iterator = self.open(source, state)
-                if accum == 1:
-                    batch = next(self.iterator, _END)
-                    group: Sequence[Any] = () if batch is _END else (batch,)
-                else:
-                    group = list(itertools.islice(self.iterator, accum))
+                batch = next(self.iterator, _END)
+                if batch is _END:
+                    self._epoch_ran_out(state)
+                    return
+                self.pending = (batch,)
+            yield self.pending
+
+    def _groups(self, source: DataSource, state: State, accum: int) -> Iterator[Sequence[Any]]:
+        while True:
+            if self.pending is None:
+                if self.iterator is None:
+                    self.iterator = self.open(source, state)
+                group = list(itertools.islice(self.iterator, accum))
                 if not group:
-                    self.iterator = None
-                    if state.batch_in_epoch == 0:
-                        raise ValueError(
-                            f"train data yielded no batch in epoch {state.epoch + 1}: it is empty, or a one-shot "
-                            "iterator (a generator) that an earlier epoch exhausted; pass a Dataset, a DataLoader "
-                            "or a list"
-                        )
+                    self._epoch_ran_out(state)
                     return
                 self.pending = group
             yield self.pending
+
+    def _epoch_ran_out(self, state: State) -> None:
+        self.iterator = None
+        if state.batch_in_epoch == 0:
+            raise ValueError(
+                f"train data yielded no batch in epoch {state.epoch + 1}: it is empty, or a one-shot "
+                "iterator (a generator) that an earlier epoch exhausted; pass a Dataset, a DataLoader "
+                "or a list"
+            )
 
     def epoch_over(self, source: DataSource, state: State, accum: int) -> bool:
         """Whether the epoch is done: its data ran out, or the step budget ended on its last batch.
