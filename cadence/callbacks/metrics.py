@@ -118,9 +118,10 @@ class TrainMetrics(Callback):
         self.config = config_module.configure(TrainMetricsConfig, config, kwargs, "TrainMetrics")
         self._log_loss = self.config.loss
         self._collector: Collector | None = None
+        # Between two steps (where evaluation and saves are not data wait) while the last step's
+        # end is not before the last start: no flag to flip twice a step.
         self._step_start = 0.0
         self._last_end = 0.0
-        self._between_steps = False
         self._loss_at_step_end = False
         self._forward_handle: Handle | None = None
         self._losses: list[torch.Tensor] = []  # this interval's micro-batch losses (off the CPU)
@@ -143,7 +144,6 @@ class TrainMetrics(Callback):
             self._collector = engine.metrics.add_collector(partial(self._collect, engine))
         self._reset_window(engine.state.samples_seen, engine.state.tokens_seen)
         self._last_end = perf_counter()  # the first step's data wait includes opening the epoch
-        self._between_steps = True
         # One loss per step is read at on_step_end; with accumulation, each
         # micro-batch's loss is kept from on_forward (a call per micro-batch
         # only when there is more than one).
@@ -159,7 +159,6 @@ class TrainMetrics(Callback):
         now = perf_counter()
         self._data_time += now - self._last_end
         self._step_start = now
-        self._between_steps = False
 
     def _keep_loss(self, engine: Engine) -> None:
         loss = engine.loss
@@ -177,7 +176,6 @@ class TrainMetrics(Callback):
         self._step_time += now - self._step_start
         self._steps += 1
         self._last_end = now
-        self._between_steps = True
         if self._loss_at_step_end:
             loss = engine.loss
             if self._read_losses and loss is not None:  # _keep_loss's CPU case, without the call
@@ -189,15 +187,14 @@ class TrainMetrics(Callback):
     # -- gaps that are not data wait ------------------------------------------
 
     def on_eval_end(self, engine: Engine) -> None:
-        if self._between_steps:
+        if self._last_end >= self._step_start:  # between steps (a fit's next start resets it anyway)
             self._last_end = perf_counter()
 
     def on_save(self, engine: Engine) -> None:
-        if self._between_steps:
+        if self._last_end >= self._step_start:
             self._last_end = perf_counter()
 
     def on_teardown(self, engine: Engine) -> None:
-        self._between_steps = False
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None
