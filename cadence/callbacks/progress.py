@@ -53,7 +53,11 @@ class ProgressBar(Callback):
     from `state.step` (a resumed run starts where it stopped) to the target.
     Epoch mode: one bar per epoch over its steps (`len(loader) / grad_accum`),
     starting at the steps already done in that epoch. The postfix shows the
-    loss and throughput of the last `on_log`. When the output is not a
+    loss and throughput of the last `on_log`. The bar counts each step while
+    steps are slow; once a log interval's steps take less than
+    `per_step_below` seconds (a quarter second: the bar then moves at least
+    four times a second anyway), it moves at each `on_log` instead and costs no
+    call per step, until an interval is slow again. When the output is not a
     terminal (and not a notebook), it writes text lines instead: at most one
     training line per `line_interval` seconds (a log or CI console needs no
     more, and every write to a pipe wakes its reader), every evaluation's
@@ -81,6 +85,8 @@ class ProgressBar(Callback):
 
     order = Order.PROGRESS
     raises_requests = False
+    #: A log interval faster than this (seconds) moves the bar at `on_log`, with no call per step.
+    per_step_below = 0.25
 
     def __init__(
         self,
@@ -100,7 +106,8 @@ class ProgressBar(Callback):
         self._fit_start_step = 0
         self._throttle = LineThrottle(self.config.line_interval)
         self._open_handle: Handle | None = None  # opens the bar at the next step's start
-        self._update_handle: Handle | None = None  # counts each step on the bar
+        self._update_handle: Handle | None = None  # counts each step on the bar, while steps are slow
+        self._last_log = 0.0  # when the last training on_log came (the pace of the steps)
 
     # -- setup ------------------------------------------------------------------
 
@@ -108,11 +115,12 @@ class ProgressBar(Callback):
         self._active = is_main(engine)
         self._lines = self._active and self._use_lines()
         self._fit_start, self._fit_start_step = time.perf_counter(), engine.state.step
+        self._last_log = self._fit_start
         self._throttle.reset()
-        if self._active and not self._lines and self._update_handle is None:
+        if self._active and not self._lines:
             # Per-step work only when a bar is shown: lines and other ranks cost no call per step.
             self._open_at_next_step(engine)
-            self._update_handle = engine.on(Event.ON_STEP_END, order=self.order)(self._step_end)
+            self._count_each_step(engine, True)  # until the first interval shows the pace
 
     def _use_lines(self) -> bool:
         if self.config.mode != "auto":
@@ -145,8 +153,24 @@ class ProgressBar(Callback):
         if self.bar is not None:
             self.bar.update(1)
 
+    def _count_each_step(self, engine: Engine, each: bool) -> None:
+        """Count every step on the bar (`each`), or only catch it up at each `on_log`."""
+        if each and self._update_handle is None:
+            self._update_handle = engine.on(Event.ON_STEP_END, order=self.order)(self._step_end)
+        elif not each and self._update_handle is not None:
+            self._update_handle.remove()
+            self._update_handle = None
+
+    def _catch_up(self, engine: Engine) -> None:
+        """Move the bar to the steps done, the ones it did not count one by one."""
+        if self.bar is not None:
+            behind = self._position(engine) - self.bar.n
+            if behind > 0:
+                self.bar.update(behind)
+
     def on_epoch_end(self, engine: Engine) -> None:
         if self.bar is not None and self._epoch_mode(engine):
+            self._catch_up(engine)
             self._close()  # one bar per epoch: the next opens at the next epoch's first step
             self._open_at_next_step(engine)
 
@@ -168,6 +192,11 @@ class ProgressBar(Callback):
         self._postfix.update({short_name(name): _format(value) for name, value in values.items()})
         if self.bar is not None:
             self.bar.set_postfix(self._postfix, refresh=False)
+            self._catch_up(engine)  # draws the postfix with the steps, when tqdm's interval allows
+        if not self._in_eval:
+            now = time.perf_counter()
+            self._count_each_step(engine, now - self._last_log >= self.per_step_below)
+            self._last_log = now
 
     def _offer_line(self, engine: Engine, values: dict[str, Any]) -> None:
         state, now, in_eval = engine.state, time.perf_counter(), self._in_eval
@@ -202,23 +231,27 @@ class ProgressBar(Callback):
         stop_step, stop_epoch = engine.fit_target
         return not math.isfinite(stop_step) and math.isfinite(stop_epoch)
 
+    def _position(self, engine: Engine) -> int:
+        """Where the bar stands: the step, or in epoch mode the steps done in the epoch."""
+        state = engine.state
+        if self._epoch_mode(engine):
+            return math.ceil(state.batch_in_epoch / engine.config.grad_accum)
+        return state.step
+
     def _open(self, engine: Engine) -> None:
         from tqdm.auto import tqdm
 
         state = engine.state
         stop_step, stop_epoch = engine.fit_target
         if self._epoch_mode(engine):
-            per_epoch = steps_per_epoch(engine)
-            position = math.ceil(state.batch_in_epoch / engine.config.grad_accum)
-            total = per_epoch
+            total = steps_per_epoch(engine)
             desc = f"epoch {state.epoch + 1}/{int(stop_epoch)}"
         else:
-            position = state.step
             total = int(stop_step) if math.isfinite(stop_step) else None
             desc = "train"
         self.bar = tqdm(
             total=total,
-            initial=position,
+            initial=self._position(engine),
             desc=desc,
             unit="step",
             file=self._stream(),
@@ -235,6 +268,7 @@ class ProgressBar(Callback):
 
     def on_fit_end(self, engine: Engine) -> None:
         self._throttle.flush()  # the fit's last logged state
+        self._catch_up(engine)
         self._close()
 
     def on_teardown(self, engine: Engine) -> None:

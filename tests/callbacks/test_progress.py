@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import re
 
 import pytest
@@ -189,3 +190,45 @@ def test_after_its_first_step_a_bar_costs_one_hook_per_step(epochs):
         engine.fit(steps=3)
         assert seen == [(1, 0), (2, 0), (3, 0)]  # the bar opened at step 1, then its opener went
         assert bar_states(out.getvalue())[-1][1:] == (3, 3)
+
+
+@pytest.mark.parametrize("epochs", [False, True])
+def test_fast_steps_move_the_bar_at_each_log_and_slow_ones_at_each_step(epochs):
+    import time
+
+    out = io.StringIO()
+    bar = ProgressBar(mode="bar", stream=out)
+    bar.per_step_below = 0.5  # an interval of 2 tiny steps is faster; one with a 0.3 s step is not
+    engine = make_engine([TrainMetrics(), bar], data=tiny_batches(6))
+    counting = []  # per step: whether the bar's per-step hook was registered
+
+    def step_end(engine):
+        counting.append(any(getattr(h, "__self__", None) is bar for h in engine.hooks(cadence.Event.ON_STEP_END)))
+        if engine.state.step in (7, 8):
+            time.sleep(0.3)
+
+    engine.on(cadence.Event.ON_STEP_END, order=99)(step_end)
+    engine.fit(epochs=2) if epochs else engine.fit(steps=12)
+    # Per step until the first interval's pace is known, then at each log; the slow
+    # interval (steps 7-8) brings the per-step count back, and the next fast one removes it.
+    assert counting == [True, True, False, False, False, False, False, False, True, True, False, False]
+    states = bar_states(out.getvalue())
+    if epochs:
+        assert ("epoch 1/2", 6, 6) in states and states[-1] == ("epoch 2/2", 6, 6)
+    else:
+        assert states[0][1:] == (0, 12) and states[-1][1:] == (12, 12)
+        assert all(b[1] >= a[1] for a, b in itertools.pairwise(states))  # it never moves back
+    assert not any(getattr(h, "__self__", None) is bar for h in engine.hooks(cadence.Event.ON_STEP_END))
+
+
+def test_a_bar_counted_at_each_log_ends_at_the_fits_last_step():
+    out = io.StringIO()
+    bar = ProgressBar(mode="bar", stream=out)
+    bar.per_step_below = 1e9  # every interval counts as fast: the bar moves only at logs and the end
+    engine = make_engine([TrainMetrics(), bar], log_interval=4)
+    engine.fit(steps=3)  # ends before its first log interval
+    assert bar_states(out.getvalue())[-1][1:] == (3, 3)
+    out.truncate(0), out.seek(0)
+    engine.fit(steps=6)  # a log at step 4 and 8, the end at 9
+    states = bar_states(out.getvalue())
+    assert states[0][1:] == (3, 9) and states[-1][1:] == (9, 9)
