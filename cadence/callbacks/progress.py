@@ -101,7 +101,9 @@ class ProgressBar(Callback):
         self._active = False
         self._lines = False
         self._in_eval = False
-        self._postfix: dict[str, str] = {}
+        self._postfix: dict[str, str] = {}  # what the bar shows, formatted
+        self._unshown: dict[str, Any] = {}  # values logged since, formatted when the bar may redraw
+        self._postfix_at = -math.inf
         self._fit_start = 0.0
         self._fit_start_step = 0
         self._throttle = LineThrottle(self.config.line_interval)
@@ -189,14 +191,25 @@ class ProgressBar(Callback):
         if self._lines:
             self._offer_line(engine, values)
             return
-        self._postfix.update({short_name(name): _format(value) for name, value in values.items()})
+        self._unshown.update(values)
+        now = time.perf_counter()
         if self.bar is not None:
-            self.bar.set_postfix(self._postfix, refresh=False)
+            # Formatted at most as often as tqdm redraws (10 times a second), not at every log:
+            # a redraw shows values at most that old, and every evaluation's at once.
+            if self._in_eval or now - self._postfix_at >= _REDRAW_INTERVAL:
+                self._show_postfix()
+                self._postfix_at = now
             self._catch_up(engine)  # draws the postfix with the steps, when tqdm's interval allows
         if not self._in_eval:
-            now = time.perf_counter()
             self._count_each_step(engine, now - self._last_log >= self.per_step_below)
             self._last_log = now
+
+    def _show_postfix(self) -> None:
+        if self._unshown:
+            self._postfix.update({short_name(name): _format(value) for name, value in self._unshown.items()})
+            self._unshown.clear()
+        if self.bar is not None and self._postfix:
+            self.bar.set_postfix(self._postfix, refresh=False)
 
     def _offer_line(self, engine: Engine, values: dict[str, Any]) -> None:
         state, now, in_eval = engine.state, time.perf_counter(), self._in_eval
@@ -258,11 +271,11 @@ class ProgressBar(Callback):
             leave=self.config.leave,
             dynamic_ncols=True,
         )
-        if self._postfix:
-            self.bar.set_postfix(self._postfix, refresh=False)
+        self._show_postfix()
 
     def _close(self) -> None:
         if self.bar is not None:
+            self._show_postfix()  # the last values logged, in the bar's last state
             self.bar.close()
             self.bar = None
 
@@ -278,6 +291,10 @@ class ProgressBar(Callback):
                 handle.remove()
         self._open_handle = self._update_handle = None
         self._in_eval = False
+
+
+#: tqdm's default `mininterval`: its bar redraws at most this often (seconds).
+_REDRAW_INTERVAL = 0.1
 
 
 def steps_per_epoch(engine: Engine) -> int | None:

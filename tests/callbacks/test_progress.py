@@ -232,3 +232,11 @@ def test_a_bar_counted_at_each_log_ends_at_the_fits_last_step():
     engine.fit(steps=6)  # a log at step 4 and 8, the end at 9
     states = bar_states(out.getvalue())
     assert states[0][1:] == (3, 9) and states[-1][1:] == (9, 9)
+
+
+def test_the_bars_last_state_shows_the_last_values_logged():
+    out = io.StringIO()
+    engine = make_engine([TrainMetrics(), ProgressBar(mode="bar", stream=out)], log_interval=1)
+    engine.fit(steps=8)  # 8 logs within a tenth of a second: the postfix is formatted once, then at the end
+    last = out.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    assert "8/8" in last and f"loss={engine.logged['loss']:.4g}" in last
