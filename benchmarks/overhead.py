@@ -2,12 +2,16 @@
 
     python benchmarks/overhead.py            # full run (10-14 minutes)
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
-    python benchmarks/overhead.py --sinks-only --repeats 15   # W1: bare Cadence and the default sinks (pipe, file, terminal)
+    python benchmarks/overhead.py --sinks-only --repeats 11   # W1: bare Cadence and the default sinks (pipe, file, terminal)
     python benchmarks/overhead.py --instructions   # W1: instructions per step, counted by valgrind (5-10 minutes)
+    python benchmarks/overhead.py --bytecodes      # W1: Python bytecodes per step, by function (1 minute)
 
-`--sinks-only` also measures bare Cadence and the default sinks in one process, in their steady
-state (`sinks_windows`: one fit each, cut into 100-step windows with raw blocks between them), the
-figure for the default sinks' target (<= 1.05 of the raw loop), with a 95% interval of its median.
+`--sinks-only` also measures bare Cadence and the default sinks in their steady state
+(`sinks_windows`: one fit each, cut into 100-step windows with raw blocks between them), in
+`--processes` processes per output, the figure for the default sinks' target (<= 1.05 of the raw
+loop): the median over the processes of each one's median ratio. One process's median carries a
+bias of its own (where its heap, code and data landed): two processes of the same loops differed
+by 2% where each one's median was known to 0.3%, so no single process decides the figure.
 
 `--instructions` counts, with valgrind's callgrind, the instructions each loop executes per W1
 step (raw, bare Cadence, the default sinks to a pipe): what the engine and the sinks add to a
@@ -54,7 +58,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOADS = {
     "W1": {"sizes": [32, 64, 10], "batch": 32, "steps": 2000, "warmup": 200},
     "W2": {"sizes": [1024, 1024, 1024, 1024, 10], "batch": 128, "steps": 200, "warmup": 20},
@@ -345,13 +351,13 @@ def sinks_windows(rounds: int, block: int = 100) -> dict:
 INSTRUCTION_KINDS = ("raw", "cadence", "sinks")
 
 
-def instructions_worker(kind: str, steps: int) -> dict:
-    """`steps` W1 steps of one loop between two markers, for `instructions` (run under callgrind).
+def instructions_worker(kind: str, steps: int, mark: Any = os.getppid) -> dict:
+    """`steps` W1 steps of one loop between two calls of `mark`, for `instructions` (under callgrind).
 
     The markers are calls of `os.getppid`, before which callgrind dumps its counts: the second
-    part of the run is exactly the measured steps. Cadence's are those after its warm-up steps,
-    cut at log intervals (no fit start or end inside), the raw loop's the same batches after the
-    same warm-up.
+    part of the run is exactly the measured steps (`bytecodes_worker` passes its own `mark`).
+    Cadence's are those after its warm-up steps, cut at log intervals (no fit start or end
+    inside), the raw loop's the same batches after the same warm-up.
     """
     import torch
     from torch.nn import functional as F
@@ -366,9 +372,9 @@ def instructions_worker(kind: str, steps: int) -> dict:
     if kind == "raw":
         run = raw_loop(model, optimizer)
         run(data[:warm])
-        os.getppid()
+        mark()
         run(data[warm : warm + steps])
-        os.getppid()
+        mark()
         return {"params": param_hash(model)}
     import cadence
     from cadence.callbacks.metrics import default_callbacks
@@ -387,10 +393,64 @@ def instructions_worker(kind: str, steps: int) -> dict:
     # are multiples of it) before TrainMetrics' own: no per-step hook is added to Cadence's side,
     # and the part holds whole steps, with one reduction per 50 steps.
     marks = (warm, warm + steps)
-    engine.metrics.add_collector(lambda: engine.state.step in marks and os.getppid())
+    engine.metrics.add_collector(lambda: engine.state.step in marks and mark())
     engine.fit(steps=warm + steps)
     engine.close()
     return {"params": param_hash(model)}
+
+
+def bytecodes_worker(kind: str, steps: int) -> dict:
+    """Python bytecodes per W1 step of one loop, by function, traced between `instructions_worker`'s marks.
+
+    `sys.settrace` with opcode events, set on the frames running at the first mark (the loop's
+    own) and on every frame entered after it, until the second mark. Deterministic: the same tree
+    counts the same, to the bytecode.
+    """
+    import collections
+
+    counts: collections.Counter[str] = collections.Counter()
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        if event == "opcode":
+            code = frame.f_code
+            where = code.co_filename.split("site-packages/")[-1].removeprefix(os.path.dirname(_HERE) + "/")
+            counts[f"{where}:{code.co_name}"] += 1
+        return trace
+
+    tracing = False
+
+    def mark() -> None:
+        nonlocal tracing
+        tracing = not tracing
+        sys.settrace(trace if tracing else None)
+        frame = sys._getframe(1)
+        while frame is not None:  # the frames already running: the loop itself
+            frame.f_trace = trace if tracing else None
+            frame.f_trace_opcodes = tracing
+            frame = frame.f_back
+
+    result = instructions_worker(kind, steps, mark)
+    sys.settrace(None)
+    return {**result, "per_step": {name: count / steps for name, count in counts.items()}}
+
+
+def bytecodes(steps: int) -> None:
+    """Prints the bytecodes per W1 step of each of `INSTRUCTION_KINDS` and Cadence's share by function."""
+    per_step = {}
+    for kind in INSTRUCTION_KINDS:
+        result = run_worker(f"bytecodes-{kind}", "W1", extra=("--steps", str(steps)))
+        per_step[kind] = result["per_step"]
+    raw = sum(per_step["raw"].values())
+    print(f"W1 Python bytecodes per step (sys.settrace opcode events, {steps} steps each):")
+    for kind, label in (("raw", "raw loop"), ("cadence", "bare Cadence"), ("sinks", "default sinks, pipe")):
+        total = sum(per_step[kind].values())
+        print(f"  {label:24} {total:8,.1f}  (+{total - raw:,.1f})")
+    print("Cadence's functions, default sinks (bytecodes per step):")
+    own = {name: n for name, n in per_step["sinks"].items() if name.startswith("cadence/")}
+    for name, n in sorted(own.items(), key=lambda item: -item[1]):
+        if n >= 0.5:
+            print(f"  {n:8.1f}  {name}")
 
 
 def instructions(steps: int) -> dict[str, float]:
@@ -478,6 +538,38 @@ def run_worker(
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def steady_state(rounds: int, processes: int) -> None:
+    """`sinks_windows` in `processes` processes per output, the outputs in turn; prints each figure.
+
+    Per output and loop: the median over the processes of each one's median ratio, the range of
+    those medians, and a 95% bootstrap interval of their median (the processes resampled).
+    """
+    import random
+
+    outputs = ("pipe", "file", "tty")
+    medians: dict[tuple[str, str], list[float]] = {}
+    for _ in range(processes):
+        for output in outputs:
+            kind = "sinks-windows" + ("" if output == "pipe" else f"-{output}")
+            result = run_worker(kind, "W1", extra=("--repeats", str(rounds)))
+            for name in ("cadence", "sinks"):
+                medians.setdefault((output, name), []).append(result[name][1])
+    print(
+        f"\nW1 steady state: {processes} processes per output, each one fit per loop with {rounds} raw blocks "
+        "of 100 steps between windows of 100 steps;\nthe median over the processes of each one's median ratio:"
+    )
+    generator = random.Random(0)
+    for output in outputs:
+        for name, label in (("cadence", "bare Cadence"), ("sinks", "default sinks")):
+            values = medians[(output, name)]
+            resampled = sorted(statistics.median(generator.choices(values, k=len(values))) for _ in range(1000))
+            print(
+                f"  stderr to a {output:5} {label:14} / raw {statistics.median(values):.3f} "
+                f"(processes {min(values):.3f}-{max(values):.3f}; median's 95% interval "
+                f"{resampled[25]:.3f}-{resampled[974]:.3f})"
+            )
+
+
 def run_blocks(callbacks: int, rounds: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", **FIXED_MALLOC)
     command = [sys.executable, __file__, "--worker", "blocks", "--callbacks", str(callbacks), "--repeats", str(rounds)]
@@ -512,11 +604,25 @@ def main() -> None:
         action="store_true",
         help="W1 only: instructions per step of the raw loop, bare Cadence and the default sinks (valgrind)",
     )
-    parser.add_argument("--steps", type=int, default=1000, help="--instructions: W1 steps counted per loop")
+    parser.add_argument(
+        "--bytecodes",
+        action="store_true",
+        help="W1 only: Python bytecodes per step of the raw loop, bare Cadence and the default sinks, by function",
+    )
+    parser.add_argument("--steps", type=int, default=1000, help="--instructions/--bytecodes: W1 steps counted per loop")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=5,
+        help="--sinks-only: steady-state processes per output (pipe, file, terminal)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="W1", help=argparse.SUPPRESS)
     parser.add_argument("--callbacks", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker and args.worker.startswith("bytecodes-"):
+        print(json.dumps(bytecodes_worker(args.worker.removeprefix("bytecodes-"), args.steps)))
+        return
     if args.worker and args.worker.startswith("instructions-"):
         print(json.dumps(instructions_worker(args.worker.removeprefix("instructions-"), args.steps)))
         return
@@ -528,6 +634,9 @@ def main() -> None:
         return
     if args.worker:
         print(json.dumps(worker(args.worker, args.workload, args.callbacks)))
+        return
+    if args.bytecodes:
+        bytecodes(args.steps)
         return
     if args.instructions:
         counts = instructions(args.steps)
@@ -589,17 +698,7 @@ def main() -> None:
         print(f"{workload:8}  {label:32}  {median:9.1f}  {ratio:6.3f}  {extra}")
     if args.sinks_only:
         print(f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal)")
-        rounds = 30 if args.quick else 300
-        print(f"\nW1 in one process, one fit each, {rounds} raw blocks of 100 steps between windows of 100 steps:")
-        for output in ("pipe", "file", "tty"):
-            kind = "sinks-windows" + ("" if output == "pipe" else f"-{output}")
-            result = run_worker(kind, "W1", extra=("--repeats", str(rounds)))
-            for name, label in (("cadence", "bare Cadence"), ("sinks", "default sinks")):
-                low, median, high, ci_low, ci_high = result[name]
-                print(
-                    f"  stderr to a {output:5} {label:14} / raw {median:.3f} ({low:.3f}-{high:.3f} quartiles; "
-                    f"median's 95% interval {ci_low:.3f}-{ci_high:.3f})"
-                )
+        steady_state(rounds=30 if args.quick else 120, processes=2 if args.quick else args.processes)
         return
     rounds = 20 if args.quick else 80
     blocks = run_blocks(100, rounds)
