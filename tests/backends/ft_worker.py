@@ -52,6 +52,7 @@ import cadence
 from cadence.backends.ddp import DDPBackend
 from cadence.backends.ft import FTConfig
 from cadence.callbacks import EMA, Checkpoint
+from cadence.checkpoint.folders import TEMP_PREFIXES
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -158,7 +159,10 @@ class SavePoints(cadence.Callback):
         if engine.backend.rank == 0:
             source, target = Path(ckpt.store.directory), Path(freeze["dir"])
             own = Path("replicas") / f"replica-{engine.backend.ft.replica_id}"
-            shutil.copytree(source / own, target / own)
+            # Committed checkpoints only: a superseded data state waits in a `.tmp-`/`.old-` folder
+            # until the store's reaper removes it in the background, maybe while this copies.
+            transient = shutil.ignore_patterns(*(f"{prefix}*" for prefix in TEMP_PREFIXES))
+            shutil.copytree(source / own, target / own, ignore=transient)
             if writes:
                 shutil.copytree(source / "latest", target / "latest")
         engine.backend.barrier()
