@@ -53,7 +53,8 @@ class ProgressBar(Callback):
     from `state.step` (a resumed run starts where it stopped) to the target.
     Epoch mode: one bar per epoch over its steps (`len(loader) / grad_accum`),
     starting at the steps already done in that epoch. The postfix shows the
-    loss and throughput of the last `on_log`. The bar counts each step while
+    loss and throughput of the last `on_log` (formatted at most as often as
+    tqdm redraws, and at every evaluation). The bar counts each step while
     steps are slow; once a log interval's steps take less than
     `per_step_below` seconds (a quarter second: the bar then moves at least
     four times a second anyway), it moves at each `on_log` instead and costs no
