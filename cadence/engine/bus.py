@@ -6,7 +6,7 @@ import heapq
 import itertools
 import types
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cadence.engine.callback import Callback, overridden_hooks
 from cadence.engine.events import Event
@@ -337,10 +337,7 @@ def _dispatch(engine: Engine, table: dict[Event, tuple[Any, ...]] | None = None,
     except HookError:
         raise
     except Exception as exc:
-        error = hook_failure(engine._bus.owner(hook, event), event, exc, engine.state.step)
-        if error is exc:
-            raise
-        raise error from exc
+        _raise_hook_failure(engine, engine._bus, hook, event, exc)
 
 
 def _dispatch_one(engine: Engine, hook: Any = None, event: Any = None) -> None:
@@ -350,10 +347,15 @@ def _dispatch_one(engine: Engine, hook: Any = None, event: Any = None) -> None:
     except HookError:
         raise
     except Exception as exc:
-        error = hook_failure(engine._bus.owner(hook, event), event, exc, engine.state.step)
-        if error is exc:
-            raise
-        raise error from exc
+        _raise_hook_failure(engine, engine._bus, hook, event, exc)
+
+
+def _raise_hook_failure(engine: Engine, bus: EventBus, hook: Any, event: Any, exc: Exception) -> NoReturn:
+    """Raise what `exc`, raised by `hook` on `event`, becomes (`hook_failure`): itself, or a `HookError`."""
+    error = hook_failure(bus.owner(hook, event), event, exc, engine.state.step)
+    if error is exc:
+        raise exc
+    raise error from exc
 
 
 # Each event dispatches with its own copy of `_dispatch`'s (or `_dispatch_one`'s)
@@ -380,10 +382,7 @@ class _Instrumented:
             except HookError:
                 raise
             except Exception as exc:
-                error = hook_failure(self.bus.owner(hook, self.event), self.event, exc, engine.state.step)
-                if error is exc:
-                    raise
-                raise error from exc
+                _raise_hook_failure(engine, self.bus, hook, self.event, exc)
 
 
 def _event(event: Event | str) -> Event:
