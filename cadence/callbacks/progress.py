@@ -111,6 +111,7 @@ class ProgressBar(Callback):
         self._open_handle: Handle | None = None  # opens the bar at the next step's start
         self._update_handle: Handle | None = None  # counts each step on the bar, while steps are slow
         self._last_log = 0.0  # when the last training on_log came (the pace of the steps)
+        self._opened_at = (0, 0)  # the open bar's first position and the step it opened at
 
     # -- setup ------------------------------------------------------------------
 
@@ -167,7 +168,8 @@ class ProgressBar(Callback):
     def _catch_up(self, engine: Engine) -> None:
         """Move the bar to the steps done, the ones it did not count one by one."""
         if self.bar is not None:
-            behind = self._position(engine) - self.bar.n
+            # Counted from the bar's opening: at on_epoch_end the epoch's batch count is already reset.
+            behind = self._opened_at[0] + engine.state.step - self._opened_at[1] - self.bar.n
             if behind > 0:
                 self.bar.update(behind)
 
@@ -263,9 +265,10 @@ class ProgressBar(Callback):
         else:
             total = int(stop_step) if math.isfinite(stop_step) else None
             desc = "train"
+        self._opened_at = (self._position(engine), state.step)
         self.bar = tqdm(
             total=total,
-            initial=self._position(engine),
+            initial=self._opened_at[0],
             desc=desc,
             unit="step",
             file=self._stream(),

@@ -240,3 +240,15 @@ def test_the_bars_last_state_shows_the_last_values_logged():
     engine.fit(steps=8)  # 8 logs within a tenth of a second: the postfix is formatted once, then at the end
     last = out.getvalue().replace("\r", "\n").strip().splitlines()[-1]
     assert "8/8" in last and f"loss={engine.logged['loss']:.4g}" in last
+
+
+def test_each_epochs_bar_ends_full_when_the_epoch_ends_between_two_logs():
+    out = io.StringIO()
+    bar = ProgressBar(mode="bar", stream=out)
+    bar.per_step_below = 1e9  # the bar moves only at logs: the epoch's end must complete it
+    engine = make_engine([TrainMetrics(), bar], data=tiny_batches(6), log_interval=4)
+    engine.fit(epochs=3)  # logs at steps 4, 8, 12, 16; epochs end at 6, 12, 18
+    states = bar_states(out.getvalue())
+    for epoch in (1, 2, 3):
+        ends = [position for desc, position, total in states if desc == f"epoch {epoch}/3"]
+        assert ends[-1] == 6, (epoch, ends)
