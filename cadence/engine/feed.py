@@ -30,27 +30,16 @@ class TrainFeed:
 
     def steps(self, source: DataSource, state: State, accum: int) -> Iterator[Sequence[Any]]:
         """The micro-batches of each step until the open epoch's data runs out."""
-        return self._single(source, state) if accum == 1 else self._groups(source, state, accum)
-
-    def _single(self, source: DataSource, state: State) -> Iterator[Sequence[Any]]:
-        # `_groups` for one micro-batch a step, the usual case: no slice and no list per step.
+        single = accum == 1  # the usual case: no slice and no list per step
         while True:
             if self.pending is None:
                 if self.iterator is None:
                     self.iterator = self.open(source, state)
-                batch = next(self.iterator, _END)
-                if batch is _END:
-                    self._epoch_ran_out(state)
-                    return
-                self.pending = (batch,)
-            yield self.pending
-
-    def _groups(self, source: DataSource, state: State, accum: int) -> Iterator[Sequence[Any]]:
-        while True:
-            if self.pending is None:
-                if self.iterator is None:
-                    self.iterator = self.open(source, state)
-                group = list(itertools.islice(self.iterator, accum))
+                if single:
+                    batch = next(self.iterator, _END)
+                    group: Sequence[Any] = () if batch is _END else (batch,)
+                else:
+                    group = list(itertools.islice(self.iterator, accum))
                 if not group:
                     self._epoch_ran_out(state)
                     return
