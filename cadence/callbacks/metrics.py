@@ -1,8 +1,8 @@
 """Built-in training metrics (loss, learning rate, timing, throughput, MFU) and the default sinks.
 
-The step pays for the loss and two clock reads: the detached loss is kept (no
-copy, no host sync; on the CPU its ready value is summed), times are Python
-floats, and everything else is computed by a collector right before the
+The step pays for the loss and one clock read: the detached loss is kept (no
+copy, no host sync; on the CPU its ready value is summed), the time is a Python
+float, and everything else is computed by a collector right before the
 engine reduces the metrics (every `log_interval`, and at the end of a fit).
 See docs/observability.md.
 """
@@ -44,7 +44,12 @@ class TrainMetricsConfig:
         loss: log `loss` (mean over the micro-batches of the interval and the ranks).
         learning_rate: log `lr` (`lr.<group>` / `lr.opt<i>.<group>` for several groups / optimizers).
         grad_norm: log `grad_norm` from `engine.grad_norm` (set by `GradClip`) if nobody logged it.
-        timing: log `time.step` and `time.data_wait` (seconds per step, mean).
+        timing: log `time.step`: wall seconds per step, from the previous step's end to
+            this one's (fetching its micro-batches included; evaluation and checkpoint
+            saves between steps excluded), the interval's mean.
+        data_wait: also log `time.data_wait`, the part of `time.step` spent before
+            `on_step_start` (fetching the micro-batches). It costs a second hook and
+            clock read per step (about 1% of a tiny CPU step), so it is off by default.
         throughput: log `throughput.samples_per_sec` and, once `state.tokens_seen`
             advances, `throughput.tokens_per_sec` (summed over the data ranks).
         flops_per_sample: training FLOPs per sample (forward + backward, about 6 x parameters x tokens
@@ -57,6 +62,7 @@ class TrainMetricsConfig:
     learning_rate: bool = True
     grad_norm: bool = True
     timing: bool = True
+    data_wait: bool = False
     throughput: bool = True
     flops_per_sample: float | None = attrs.field(default=None, validator=_positive)
     flops_per_token: float | None = attrs.field(default=None, validator=_positive)
@@ -74,8 +80,9 @@ class TrainMetricsConfig:
 class TrainMetrics(Callback):
     """Logs the built-in training metrics through `engine.log`.
 
-    Per step: two `perf_counter` reads and the loss, taken at on_step_end, or
-    at each micro-batch's on_forward under gradient accumulation. On an
+    Per step: one `perf_counter` read and the loss, taken at on_step_end, or
+    at each micro-batch's on_forward under gradient accumulation (and, with
+    `data_wait=True`, a second read at on_step_start). On an
     accelerator the loss is kept as a reference to the detached tensor (no
     copy, no host sync) and the interval's losses are averaged on the device
     once; on the CPU, where the value is ready when the loss is returned, it
@@ -83,12 +90,13 @@ class TrainMetrics(Callback):
     once, weighted by the number of losses. At each reduction (every log
     interval, and the end of a fit that stopped between two), from a
     collector (`MetricStore.add_collector`): learning rates, gradient norm,
-    mean step time and data-wait time, samples/s, tokens/s, TFLOP/s and MFU,
+    mean step time (and data-wait time), samples/s, tokens/s, TFLOP/s and MFU,
     over the steps since the previous one.
-    Data wait is the time from the end of the previous step to the start of
-    this one (the micro-batches are fetched in between); evaluation and
-    checkpoint saves in that gap are not counted. Throughput divides the
-    interval's samples by its step plus data-wait time.
+    A step's time runs from the end of the previous step to the end of this
+    one: its micro-batches are fetched in between, evaluation and checkpoint
+    saves in that gap are not counted. Data wait is its part before
+    on_step_start. Throughput divides the interval's samples by its steps'
+    time.
 
     Where `engine.loss` is None (pipeline stages before the last), nothing is
     kept and `loss` is declared, so the reduction (which takes the last
@@ -118,10 +126,16 @@ class TrainMetrics(Callback):
         self.config = config_module.configure(TrainMetricsConfig, config, kwargs, "TrainMetrics")
         self._log_loss = self.config.loss
         self._collector: Collector | None = None
-        # Between two steps (where evaluation and saves are not data wait) while the last step's
-        # end is not before the last start: no flag to flip twice a step.
+        # The interval's time is from its start to the last step's end, less the gaps between
+        # steps that are not step time (evaluation, saves): one clock read per step.
+        self._window_start = 0.0
+        self._last_end = 0.0  # the last step's end, or the end of a gap after it
+        self._gaps = 0.0
+        # Between two steps while the last step's end is not before the last start (with
+        # data_wait; without, on_step_start is not watched and a gap always counts from the
+        # last step's end): no flag to flip twice a step.
         self._step_start = 0.0
-        self._last_end = 0.0
+        self._start_handle: Handle | None = None
         self._loss_at_step_end = False
         self._forward_handle: Handle | None = None
         self._losses: list[torch.Tensor] = []  # this interval's micro-batch losses (off the CPU)
@@ -129,21 +143,22 @@ class TrainMetrics(Callback):
         self._loss_count = 0
         self._read_losses = False
         self._no_loss = False  # this rank saw `engine.loss is None` (a pipeline stage without the loss)
-        self._reset_window(0, 0)
-
-    def _reset_window(self, samples: int, tokens: int) -> None:
-        self._steps = 0
-        self._step_time = 0.0
         self._data_time = 0.0
-        self._samples0, self._tokens0 = samples, tokens
+        self._step0 = self._samples0 = self._tokens0 = 0
+
+    def _reset_window(self, engine: Engine) -> None:
+        state = engine.state
+        self._window_start = self._last_end
+        self._gaps = self._data_time = 0.0
+        self._step0, self._samples0, self._tokens0 = state.step, state.samples_seen, state.tokens_seen
 
     # -- per step (the hot path) ----------------------------------------------
 
     def on_fit_start(self, engine: Engine) -> None:
         if self._collector is None:
             self._collector = engine.metrics.add_collector(partial(self._collect, engine))
-        self._reset_window(engine.state.samples_seen, engine.state.tokens_seen)
-        self._last_end = perf_counter()  # the first step's data wait includes opening the epoch
+        self._last_end = perf_counter()  # the first step's time includes opening the epoch
+        self._reset_window(engine)
         # One loss per step is read at on_step_end; with accumulation, each
         # micro-batch's loss is kept from on_forward (a call per micro-batch
         # only when there is more than one).
@@ -154,8 +169,10 @@ class TrainMetrics(Callback):
         self._read_losses = engine.backend.device.type == "cpu"
         if self._log_loss and not self._loss_at_step_end and self._forward_handle is None:
             self._forward_handle = engine.on(Event.ON_FORWARD, order=self.order)(self._keep_loss)
+        if self.config.timing and self.config.data_wait and self._start_handle is None:
+            self._start_handle = engine.on(Event.ON_STEP_START, order=self.order)(self._step_started)
 
-    def on_step_start(self, engine: Engine) -> None:
+    def _step_started(self, engine: Engine) -> None:
         now = perf_counter()
         self._data_time += now - self._last_end
         self._step_start = now
@@ -172,10 +189,7 @@ class TrainMetrics(Callback):
             self._losses.append(loss.detach())
 
     def on_step_end(self, engine: Engine) -> None:
-        now = perf_counter()
-        self._step_time += now - self._step_start
-        self._steps += 1
-        self._last_end = now
+        self._last_end = perf_counter()
         if self._loss_at_step_end:
             loss = engine.loss
             if self._read_losses and loss is not None:  # _keep_loss's CPU case, without the call
@@ -184,20 +198,31 @@ class TrainMetrics(Callback):
             else:
                 self._keep_loss(engine)
 
-    # -- gaps that are not data wait ------------------------------------------
+    # -- gaps that are not step time ------------------------------------------
 
     def on_eval_end(self, engine: Engine) -> None:
-        if self._last_end >= self._step_start:  # between steps (a fit's next start resets it anyway)
-            self._last_end = perf_counter()
+        self._skip_gap()
 
     def on_save(self, engine: Engine) -> None:
-        if self._last_end >= self._step_start:
-            self._last_end = perf_counter()
+        self._skip_gap()
+
+    def on_load(self, engine: Engine) -> None:
+        # A restore moved the step and sample counts: the window starts again from here.
+        self._last_end = perf_counter()
+        self._reset_window(engine)
+
+    def _skip_gap(self) -> None:
+        """The time since the last step ended is not step time (a fit's next start resets it anyway)."""
+        if self._last_end >= self._step_start:  # between steps
+            now = perf_counter()
+            self._gaps += now - self._last_end
+            self._last_end = now
 
     def on_teardown(self, engine: Engine) -> None:
-        if self._forward_handle is not None:
-            self._forward_handle.remove()
-            self._forward_handle = None
+        for handle in (self._forward_handle, self._start_handle):
+            if handle is not None:
+                handle.remove()
+        self._forward_handle = self._start_handle = None
         if self._collector is not None:
             self._collector.remove()
             self._collector = None
@@ -224,15 +249,16 @@ class TrainMetrics(Callback):
             grad_norm = getattr(engine, "grad_norm", None)
             if grad_norm is not None and "grad_norm" not in engine.metrics:
                 engine.log("grad_norm", grad_norm, "max")  # as GradClip logs it
-        steps = self._steps
+        steps = state.step - self._step0
         if steps:
-            elapsed = self._step_time + self._data_time
+            elapsed = self._last_end - self._window_start - self._gaps
             if config.timing:
-                engine.log("time.step", self._step_time / steps, "mean")
-                engine.log("time.data_wait", self._data_time / steps, "mean")
+                engine.log("time.step", elapsed / steps, "mean")
+                if config.data_wait:
+                    engine.log("time.data_wait", self._data_time / steps, "mean")
             if config.throughput and elapsed > 0:
                 self._log_throughput(engine, elapsed)
-        self._reset_window(state.samples_seen, state.tokens_seen)
+        self._reset_window(engine)
 
     def _log_throughput(self, engine: Engine, elapsed: float) -> None:
         config, state = self.config, engine.state

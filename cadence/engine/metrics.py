@@ -96,10 +96,10 @@ class MetricStore:
         # reductions in Python float64, one all_gather of the packed pairs.
         names = self.names()
         values = self._host_values(names)
-        pairs = [_local_pair(self._series[name], values[name]) for name in names]
         if backend.world_size == 1:  # one rank: nothing to gather or compare
-            result = {name: _finish(self._series[name].reduce, [a], [b]) for name, (a, b) in zip(names, pairs)}
+            result = {name: _one_rank(self._series[name], values[name]) for name in names}
         else:
+            pairs = [_local_pair(self._series[name], values[name]) for name in names]
             result = self._gather(backend, names, pairs)
         if reset:
             self.reset()
@@ -159,6 +159,14 @@ class MetricStore:
             for (values, i), host in zip(slots, torch.stack([t.detach() for t in tensors]).tolist()):
                 values[i] = float(host)
         return result
+
+
+def _one_rank(series: _Series, values: list[float]) -> float:
+    """A metric reduced on a single rank: `_finish` of `_local_pair`, short for one value."""
+    if len(values) == 1 and (series.reduce != "mean" or series.weights[0] > 0):
+        return values[0]  # the mean of one weighted value is the value (not value * weight / weight)
+    a, b = _local_pair(series, values)
+    return _finish(series.reduce, [a], [b])
 
 
 def _local_pair(series: _Series, values: list[float]) -> tuple[float, float]:

@@ -62,7 +62,7 @@ def test_loss_is_the_mean_of_every_micro_batch_loss_of_the_interval(metrics):
     assert len(losses) == 12  # 2 micro-batches x 6 steps
     assert logs[0][1]["loss"] == pytest.approx(sum(losses[:6]) / 6, rel=1e-12)
     assert logs[1][1]["loss"] == pytest.approx(sum(losses[6:]) / 6, rel=1e-12)
-    assert set(logs[0][1]) == {"loss", "lr", "time.step", "time.data_wait", "throughput.samples_per_sec"}
+    assert set(logs[0][1]) == {"loss", "lr", "time.step", "throughput.samples_per_sec"}
 
 
 @LOSS_PATHS
@@ -82,13 +82,44 @@ def test_without_accumulation_the_loss_is_read_once_per_step_and_nothing_listens
     assert forward_hooks == [0, 1] and accumulating.hooks(cadence.Event.ON_FORWARD) == ()  # removed after the fit
 
 
-def test_throughput_is_samples_over_step_plus_data_wait_time():
-    engine = make_engine([TrainMetrics()], log_interval=4)
+@pytest.mark.parametrize("data_wait", [False, True])
+def test_throughput_is_samples_over_step_time(data_wait):
+    engine = make_engine([TrainMetrics(data_wait=data_wait)], log_interval=4)
     logs = record_logs(engine)
     engine.fit(steps=8)
     for _, logged in logs:
-        seconds = 4 * (logged["time.step"] + logged["time.data_wait"])
-        assert logged["throughput.samples_per_sec"] * seconds == pytest.approx(4 * 8, rel=1e-9)
+        assert logged["throughput.samples_per_sec"] * 4 * logged["time.step"] == pytest.approx(4 * 8, rel=1e-9)
+        assert ("time.data_wait" in logged) is data_wait
+
+
+def test_only_data_wait_watches_the_step_start():
+    """The default reads one clock per step, at on_step_end; data_wait=True adds on_step_start, for the fit only."""
+    seen = []
+    for data_wait in (False, True):
+        engine = make_engine([TrainMetrics(data_wait=data_wait)])
+        engine.on(cadence.Event.ON_STEP_END)(lambda e: seen.append(len(e.hooks(cadence.Event.ON_STEP_START))))
+        engine.fit(steps=1)
+        seen.append(len(engine.hooks(cadence.Event.ON_STEP_START)))
+    assert seen == [0, 0, 1, 0]
+
+
+def test_a_restore_inside_a_fit_starts_the_timing_window_again():
+    """After on_load the interval counts the steps and samples from the restored state, not from before it."""
+    engine = make_engine([TrainMetrics()], log_interval=4)
+
+    @engine.on(cadence.Event.ON_STEP_END, order=99)
+    def restore_once(e):
+        if e.state.step == 2 and not restored:
+            restored.append(True)
+            e.state.step, e.state.samples_seen = 1, 8  # as a checkpoint of step 1 would set them
+            e.fire(cadence.Event.ON_LOAD)
+
+    restored = []
+    logs = record_logs(engine)
+    engine.fit(steps=4)  # steps 1, 2 (restored to 1), then 2, 3 and 4: one interval, at step 4
+    assert [step for step, _ in logs] == [4]
+    logged = logs[0][1]
+    assert logged["throughput.samples_per_sec"] * 3 * logged["time.step"] == pytest.approx(3 * 8, rel=1e-9)
 
 
 class SlowData:
@@ -103,13 +134,14 @@ class SlowData:
             yield batch
 
 
-def test_data_wait_measures_the_loader_and_not_evaluation():
+@pytest.mark.parametrize("data_wait", [False, True])
+def test_step_time_counts_the_loader_and_not_evaluation(data_wait):
     def slow_eval(model, batch):
         time.sleep(0.1)
         return {"loss": F.cross_entropy(model(batch[0]), batch[1])}
 
     engine = make_engine(
-        [TrainMetrics()],
+        [TrainMetrics(data_wait=data_wait)],
         data=SlowData(tiny_batches(6), 0.03),
         eval_data=tiny_batches(1),
         eval_fn=slow_eval,
@@ -121,8 +153,12 @@ def test_data_wait_measures_the_loader_and_not_evaluation():
     train = [logged for _, logged in logs if "loss" in logged]
     assert len(train) == 2
     for logged in train:
-        assert 0.03 <= logged["time.data_wait"] < 0.09  # the sleep, not the 0.1 s evaluations
-        assert logged["time.step"] < 0.05
+        assert 0.03 <= logged["time.step"] < 0.09  # the sleep, not the 0.1 s evaluations
+        if data_wait:
+            assert 0.03 <= logged["time.data_wait"] <= logged["time.step"]
+            assert logged["time.step"] - logged["time.data_wait"] < 0.05  # the step itself
+        else:
+            assert "time.data_wait" not in logged
 
 
 def test_learning_rate_per_param_group_and_optimizer():
@@ -230,7 +266,18 @@ def test_switches_turn_metrics_off():
     engine = make_engine([TrainMetrics(loss=False, learning_rate=False, throughput=False)], log_interval=3)
     logs = record_logs(engine)
     engine.fit(steps=3)
+    assert set(logs[0][1]) == {"time.step"}
+    engine = make_engine([TrainMetrics(loss=False, learning_rate=False, throughput=False, data_wait=True)])
+    logs = record_logs(engine)
+    engine.fit(steps=3)
     assert set(logs[0][1]) == {"time.step", "time.data_wait"}
+    engine = make_engine([TrainMetrics(loss=False, learning_rate=False, timing=False, data_wait=True)])
+    start_hooks = []
+    engine.on(cadence.Event.ON_STEP_END)(lambda e: start_hooks.append(len(e.hooks(cadence.Event.ON_STEP_START))))
+    logs = record_logs(engine)
+    engine.fit(steps=3)
+    assert set(logs[0][1]) == {"throughput.samples_per_sec"}
+    assert start_hooks == [0, 0, 0]  # data_wait is part of timing: off with it
 
 
 def test_config_errors_name_the_problem():
@@ -266,8 +313,7 @@ def test_the_steps_after_the_last_interval_are_logged_when_the_fit_ends(metrics)
     last = logs[1][1]
     assert last["loss"] == pytest.approx(sum(losses[4:]) / 2, rel=1e-12)  # the two steps since step 4
     assert last["grad_norm"] == pytest.approx(float(norms[-1]))
-    seconds = 2 * (last["time.step"] + last["time.data_wait"])
-    assert last["throughput.samples_per_sec"] * seconds == pytest.approx(2 * 8, rel=1e-9)
+    assert last["throughput.samples_per_sec"] * 2 * last["time.step"] == pytest.approx(2 * 8, rel=1e-9)
     engine.fit(steps=2)  # 7, 8: the interval at 8, nothing more at the end
     assert [step for step, _ in logs] == [4, 6, 8]
     assert logs[2][1]["loss"] == pytest.approx(sum(losses[6:]) / 2, rel=1e-12)
@@ -320,6 +366,16 @@ def test_store_reductions_tensors_and_numbers_exact():
     assert (result["s"], result["mx"], result["mn"], result["l"]) == (12.0, 5.0, 3.0, 4.0)
     assert math.isnan(result["never"])
     assert not store
+
+
+def test_store_one_weighted_value_on_one_rank_is_logged_as_it_is():
+    store = MetricStore()
+    store.log("loss", 0.1, weight=3.0)  # 0.1 * 3 / 3 is 0.10000000000000002
+    store.log("zero", 2.0, weight=0.0)
+    store.log("two", 0.1, weight=3.0)
+    store.log("two", 0.1, weight=3.0)
+    result = store.compute(LocalBackend())
+    assert result["loss"] == 0.1 and math.isnan(result["zero"]) and result["two"] == pytest.approx(0.1, rel=1e-15)
 
 
 def test_store_errors_name_the_metric():
