@@ -30,6 +30,11 @@ class ProgressBarConfig:
             a bar in a terminal or notebook, lines when the output is a file or pipe.
         metrics: logged names shown in the postfix / lines, when present.
         leave: keep the finished bar on screen.
+        refresh_interval: in bar mode, redraw the bar at most once per this many
+            seconds (tqdm's `mininterval`, whose own default is 0.1; the postfix
+            is formatted as often). Each redraw formats the whole line and writes
+            it to the terminal: about 0.6 ms on the reference machine, so five a
+            second cost a tiny CPU step (W1) about 0.3% where ten cost 0.6%.
         line_interval: in lines mode, at most one training line per this many
             seconds (evaluation results and the fit's last state are always
             written); 0 writes a line at every log interval.
@@ -43,6 +48,7 @@ class ProgressBarConfig:
         "throughput.tokens_per_sec",
     )
     leave: bool = True
+    refresh_interval: float = attrs.field(default=0.2, validator=attrs.validators.gt(0))
     line_interval: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
 
 
@@ -197,9 +203,9 @@ class ProgressBar(Callback):
         self._unshown.update(values)
         now = time.perf_counter()
         if self.bar is not None:
-            # Formatted at most as often as tqdm redraws (10 times a second), not at every log:
+            # Formatted at most as often as tqdm redraws (refresh_interval), not at every log:
             # a redraw shows values at most that old, and every evaluation's at once.
-            if self._in_eval or now - self._postfix_at >= _REDRAW_INTERVAL:
+            if self._in_eval or now - self._postfix_at >= self.config.refresh_interval:
                 self._show_postfix()
                 self._postfix_at = now
             self._catch_up(engine)  # draws the postfix with the steps, when tqdm's interval allows
@@ -274,6 +280,7 @@ class ProgressBar(Callback):
             file=self._stream(),
             leave=self.config.leave,
             dynamic_ncols=True,
+            mininterval=self.config.refresh_interval,
         )
         self._show_postfix()
 
@@ -295,10 +302,6 @@ class ProgressBar(Callback):
                 handle.remove()
         self._open_handle = self._update_handle = None
         self._in_eval = False
-
-
-#: tqdm's default `mininterval`: its bar redraws at most this often (seconds).
-_REDRAW_INTERVAL = 0.1
 
 
 def steps_per_epoch(engine: Engine) -> int | None:

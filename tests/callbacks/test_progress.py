@@ -237,9 +237,22 @@ def test_a_bar_counted_at_each_log_ends_at_the_fits_last_step():
 def test_the_bars_last_state_shows_the_last_values_logged():
     out = io.StringIO()
     engine = make_engine([TrainMetrics(), ProgressBar(mode="bar", stream=out)], log_interval=1)
-    engine.fit(steps=8)  # 8 logs within a tenth of a second: the postfix is formatted once, then at the end
+    engine.fit(steps=8)  # 8 logs within a fifth of a second: the postfix is formatted once, then at the end
     last = out.getvalue().replace("\r", "\n").strip().splitlines()[-1]
     assert "8/8" in last and f"loss={engine.logged['loss']:.4g}" in last
+
+
+def test_refresh_interval_sets_how_often_the_bar_redraws():
+    draws = {}
+    for interval in (1e-9, 60.0):
+        out = io.StringIO()
+        bar = ProgressBar(mode="bar", stream=out, refresh_interval=interval)
+        bar.per_step_below = 0.0  # every step moves the bar
+        make_engine([TrainMetrics(), bar], log_interval=1).fit(steps=8)
+        draws[interval] = len(bar_states(out.getvalue()))
+    assert draws[60.0] <= 3 and draws[1e-9] >= 8, draws  # opened and closed; or at every step
+    with pytest.raises(cadence.ConfigError, match="refresh_interval"):
+        ProgressBar(refresh_interval=0)
 
 
 def test_each_epochs_bar_ends_full_when_the_epoch_ends_between_two_logs():
