@@ -253,25 +253,20 @@ class ProgressBar(Callback):
         stop_step, stop_epoch = engine.fit_target
         return not math.isfinite(stop_step) and math.isfinite(stop_epoch)
 
-    def _position(self, engine: Engine) -> int:
-        """Where the bar stands: the step, or in epoch mode the steps done in the epoch."""
-        state = engine.state
-        if self._epoch_mode(engine):
-            return math.ceil(state.batch_in_epoch / engine.config.grad_accum)
-        return state.step
-
     def _open(self, engine: Engine) -> None:
         from tqdm.auto import tqdm
 
         state = engine.state
         stop_step, stop_epoch = engine.fit_target
-        if self._epoch_mode(engine):
+        if self._epoch_mode(engine):  # the bar stands at the steps done in the epoch
+            position = math.ceil(state.batch_in_epoch / engine.config.grad_accum)
             total = steps_per_epoch(engine)
             desc = f"epoch {state.epoch + 1}/{int(stop_epoch)}"
         else:
+            position = state.step
             total = int(stop_step) if math.isfinite(stop_step) else None
             desc = "train"
-        self._opened_at = (self._position(engine), state.step)
+        self._opened_at = (position, state.step)
         self.bar = tqdm(
             total=total,
             initial=self._opened_at[0],
