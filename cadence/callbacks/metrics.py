@@ -1,10 +1,10 @@
 """Built-in training metrics (loss, learning rate, timing, throughput, MFU) and the default sinks.
 
-The step pays for the loss and one clock read: the detached loss is kept (no
-copy, no host sync; on the CPU its ready value is summed), the time is a Python
-float, and everything else is computed by a collector right before the
-engine reduces the metrics (every `log_interval`, and at the end of a fit).
-See docs/observability.md.
+By default nothing runs per step: a collector, called right before the
+engine reduces the metrics (every `log_interval`, and at the end of a fit),
+reads the logged step's loss, the clock and the counters. The interval's mean
+loss (`loss_mean=True`) and the data wait (`data_wait=True`) cost a hook per
+step. See docs/observability.md.
 """
 
 from __future__ import annotations
@@ -41,15 +41,21 @@ class TrainMetricsConfig:
     """Which built-in metrics `TrainMetrics` logs.
 
     Attributes:
-        loss: log `loss` (mean over the micro-batches of the interval and the ranks).
+        loss: log `loss`: the logged step's loss (the mean over its micro-batches and the
+            data ranks), as TorchTitan and Lightning log it.
+        loss_mean: log the mean loss over every micro-batch of the interval instead of the
+            logged step's. It keeps each step's loss from a hook (on_step_end, or on_forward
+            under gradient accumulation): about 1% of a tiny CPU step, so it is off by default.
         learning_rate: log `lr` (`lr.<group>` / `lr.opt<i>.<group>` for several groups / optimizers).
         grad_norm: log `grad_norm` from `engine.grad_norm` (set by `GradClip`) if nobody logged it.
-        timing: log `time.step`: wall seconds per step, from the previous step's end to
-            this one's (fetching its micro-batches included; evaluation and checkpoint
-            saves between steps excluded), the interval's mean.
-        data_wait: also log `time.data_wait`, the part of `time.step` spent before
-            `on_step_start` (fetching the micro-batches). It costs a second hook and
-            clock read per step (about 1% of a tiny CPU step), so it is off by default.
+        timing: log `time.step`: the interval's wall time over its steps, from the previous
+            reduction to this one (fetching the micro-batches and the loop's own work
+            included; evaluation and `engine.long_operation`s such as checkpoint saves
+            excluded).
+        data_wait: also log `time.data_wait`, the part of `time.step` spent between a
+            step's end and the next step's on_step_start (fetching the micro-batches). It
+            costs two hooks and clock reads per step (about 1-2% of a tiny CPU step), so
+            it is off by default.
         throughput: log `throughput.samples_per_sec` and, once `state.tokens_seen`
             advances, `throughput.tokens_per_sec` (summed over the data ranks).
         flops_per_sample: training FLOPs per sample (forward + backward, about 6 x parameters x tokens
@@ -59,6 +65,7 @@ class TrainMetricsConfig:
     """
 
     loss: bool = True
+    loss_mean: bool = False
     learning_rate: bool = True
     grad_norm: bool = True
     timing: bool = True
@@ -80,23 +87,25 @@ class TrainMetricsConfig:
 class TrainMetrics(Callback):
     """Logs the built-in training metrics through `engine.log`.
 
-    Per step: one `perf_counter` read and the loss, taken at on_step_end, or
-    at each micro-batch's on_forward under gradient accumulation (and, with
-    `data_wait=True`, a second read at on_step_start). On an
-    accelerator the loss is kept as a reference to the detached tensor (no
-    copy, no host sync) and the interval's losses are averaged on the device
-    once; on the CPU, where the value is ready when the loss is returned, it
-    is read and summed as a float. Either way the interval's mean is logged
-    once, weighted by the number of losses. At each reduction (every log
-    interval, and the end of a fit that stopped between two), from a
-    collector (`MetricStore.add_collector`): learning rates, gradient norm,
-    mean step time (and data-wait time), samples/s, tokens/s, TFLOP/s and MFU,
-    over the steps since the previous one.
-    A step's time runs from the end of the previous step to the end of this
-    one: its micro-batches are fetched in between, evaluation and checkpoint
-    saves in that gap are not counted. Data wait is its part before
-    on_step_start. Throughput divides the interval's samples by its steps'
-    time.
+    Nothing runs per step by default. At each reduction (every log interval,
+    and the end of a fit that stopped between two), a collector
+    (`MetricStore.add_collector`) logs the logged step's loss, learning rates,
+    gradient norm, mean step time, samples/s, tokens/s, TFLOP/s and MFU, over
+    the steps since the previous reduction. The interval's time is read from
+    the clock then: from the previous reduction to this one, less the time in
+    evaluation (`on_eval_start` to `on_eval_end`) and in
+    `engine.long_operation`s (checkpoint saves). Throughput divides the
+    interval's samples by that time.
+
+    The loss is the logged step's (`engine.loss` at the reduction; under
+    gradient accumulation the mean of that step's micro-batch losses, kept
+    from on_forward). `loss_mean=True` logs the mean over every micro-batch of
+    the interval instead, kept from on_step_end (or on_forward), weighted by
+    their count. On an accelerator a loss is kept as a reference to the
+    detached tensor (no copy, no host sync) and the kept losses are averaged
+    on the device once; on the CPU, where the value is ready when the loss is
+    returned, it is read and summed as a float. `data_wait=True` adds a clock
+    read at on_step_end and on_step_start for `time.data_wait`.
 
     Where `engine.loss` is None (pipeline stages before the last), nothing is
     kept and `loss` is declared, so the reduction (which takes the last
@@ -124,105 +133,99 @@ class TrainMetrics(Callback):
 
     def __init__(self, config: TrainMetricsConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(TrainMetricsConfig, config, kwargs, "TrainMetrics")
-        self._log_loss = self.config.loss
         self._collector: Collector | None = None
-        # The interval's time is from its start to the last step's end, less the gaps between
-        # steps that are not step time (evaluation, saves): one clock read per step.
+        self._handles: list[Handle] = []  # this fit's per-step handlers (loss_mean, data_wait, accumulation)
+        # The interval runs from the previous reduction (or the fit's start) to this one,
+        # less the time in evaluation and in the engine's long operations: no clock per step.
         self._window_start = 0.0
-        self._last_end = 0.0  # the last step's end, or the end of a gap after it
-        self._gaps = 0.0
-        # Between two steps while the last step's end is not before the last start (with
-        # data_wait; without, on_step_start is not watched and a gap always counts from the
-        # last step's end): no flag to flip twice a step.
-        self._step_start = 0.0
-        self._start_handle: Handle | None = None
-        self._loss_at_step_end = False
-        self._forward_handle: Handle | None = None
-        self._losses: list[torch.Tensor] = []  # this interval's micro-batch losses (off the CPU)
+        self._window_gaps = 0.0  # `_gap_time` at the window's start
+        self._eval_time = 0.0  # seconds in evaluation, summed
+        self._eval_start = 0.0
+        self._loss_at_reduction = False  # read `engine.loss` in the collector (the step's only loss)
+        self._loss_step = -1  # the step whose micro-batch losses are kept (without loss_mean)
+        self._losses: list[torch.Tensor] = []  # the kept losses (off the CPU)
         self._loss_sum = 0.0  # ... or their sum and count, read as they come (on the CPU)
         self._loss_count = 0
         self._read_losses = False
         self._no_loss = False  # this rank saw `engine.loss is None` (a pipeline stage without the loss)
+        self._last_end = 0.0  # data_wait: the last step's end, and `_gap_time` then
+        self._end_gaps = 0.0
         self._data_time = 0.0
         self._step0 = self._samples0 = self._tokens0 = 0
 
-    def _reset_window(self, engine: Engine) -> None:
+    def _gap_time(self, engine: Engine) -> float:
+        """Seconds so far that are not step time: evaluation and the engine's long operations."""
+        return self._eval_time + engine.long_operation_time
+
+    def _reset_window(self, engine: Engine, now: float) -> None:
         state = engine.state
-        self._window_start = self._last_end
-        self._gaps = self._data_time = 0.0
+        self._window_start, self._window_gaps = now, self._gap_time(engine)
+        self._data_time = 0.0
         self._step0, self._samples0, self._tokens0 = state.step, state.samples_seen, state.tokens_seen
 
-    # -- per step (the hot path) ----------------------------------------------
-
     def on_fit_start(self, engine: Engine) -> None:
+        config = self.config
         if self._collector is None:
             self._collector = engine.metrics.add_collector(partial(self._collect, engine))
-        self._last_end = perf_counter()  # the first step's time includes opening the epoch
-        self._reset_window(engine)
-        # One loss per step is read at on_step_end; with accumulation, each
-        # micro-batch's loss is kept from on_forward (a call per micro-batch
-        # only when there is more than one).
-        self._loss_at_step_end = self._log_loss and engine.config.grad_accum == 1
+        now = perf_counter()
+        self._reset_window(engine, now)  # the first step's time includes opening the epoch
+        self._last_end, self._end_gaps = now, self._window_gaps
         # A CPU loss is computed by the time it is returned: reading it waits for
         # nothing, and costs less than keeping an interval's tensors alive. On an
         # accelerator it would wait for the device: keep references instead.
         self._read_losses = engine.backend.device.type == "cpu"
-        if self._log_loss and not self._loss_at_step_end and self._forward_handle is None:
-            self._forward_handle = engine.on(Event.ON_FORWARD, order=self.order)(self._keep_loss)
-        if self.config.timing and self.config.data_wait and self._start_handle is None:
-            self._start_handle = engine.on(Event.ON_STEP_START, order=self.order)(self._step_started)
+        accumulating = engine.config.grad_accum > 1
+        # One loss per step: read at the reduction, or kept at on_step_end for the interval's
+        # mean. Several: each micro-batch's, kept from on_forward.
+        self._loss_at_reduction = config.loss and not config.loss_mean and not accumulating
+        self._loss_step = -1
+        if config.loss and accumulating:
+            self._handles.append(engine.on(Event.ON_FORWARD, order=self.order)(self._keep_loss))
+        elif config.loss_mean and config.loss:
+            self._handles.append(engine.on(Event.ON_STEP_END, order=self.order)(self._keep_loss))
+        if config.timing and config.data_wait:
+            self._handles.append(engine.on(Event.ON_STEP_START, order=self.order)(self._step_started))
+            self._handles.append(engine.on(Event.ON_STEP_END, order=self.order)(self._step_ended))
 
     def _step_started(self, engine: Engine) -> None:
-        now = perf_counter()
-        self._data_time += now - self._last_end
-        self._step_start = now
+        gaps = self._gap_time(engine)
+        self._data_time += perf_counter() - self._last_end - (gaps - self._end_gaps)
+
+    def _step_ended(self, engine: Engine) -> None:
+        self._last_end, self._end_gaps = perf_counter(), self._gap_time(engine)
 
     def _keep_loss(self, engine: Engine) -> None:
         loss = engine.loss
         if loss is None:  # a pipeline stage before the last: the loss is logged from the last stage
             self._no_loss = True
             return
+        if not self.config.loss_mean:  # the logged step's micro-batches only
+            step = engine.state.step
+            if step != self._loss_step:  # a new step: drop the last one's
+                self._losses, self._loss_sum, self._loss_count = [], 0.0, 0
+                self._loss_step = step
         if self._read_losses:
             self._loss_sum += loss.item()
             self._loss_count += 1
         else:  # a reference to the detached loss: no copy, no host sync until the interval
             self._losses.append(loss.detach())
 
-    def on_step_end(self, engine: Engine) -> None:
-        self._last_end = perf_counter()
-        if self._loss_at_step_end:
-            loss = engine.loss
-            if self._read_losses and loss is not None:  # _keep_loss's CPU case, without the call
-                self._loss_sum += loss.item()
-                self._loss_count += 1
-            else:
-                self._keep_loss(engine)
+    # -- time that is not step time ---------------------------------------------
 
-    # -- gaps that are not step time ------------------------------------------
+    def on_eval_start(self, engine: Engine) -> None:
+        self._eval_start = perf_counter()
 
     def on_eval_end(self, engine: Engine) -> None:
-        self._skip_gap()
-
-    def on_save(self, engine: Engine) -> None:
-        self._skip_gap()
+        self._eval_time += perf_counter() - self._eval_start
 
     def on_load(self, engine: Engine) -> None:
         # A restore moved the step and sample counts: the window starts again from here.
-        self._last_end = perf_counter()
-        self._reset_window(engine)
-
-    def _skip_gap(self) -> None:
-        """The time since the last step ended is not step time (a fit's next start resets it anyway)."""
-        if self._last_end >= self._step_start:  # between steps
-            now = perf_counter()
-            self._gaps += now - self._last_end
-            self._last_end = now
+        self._reset_window(engine, perf_counter())
 
     def on_teardown(self, engine: Engine) -> None:
-        for handle in (self._forward_handle, self._start_handle):
-            if handle is not None:
-                handle.remove()
-        self._forward_handle = self._start_handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         if self._collector is not None:
             self._collector.remove()
             self._collector = None
@@ -230,7 +233,11 @@ class TrainMetrics(Callback):
     # -- per reduction (the collector) ------------------------------------------
 
     def _collect(self, engine: Engine) -> None:
+        now = perf_counter()
         config, state = self.config, engine.state
+        steps = state.step - self._step0
+        if self._loss_at_reduction and steps:
+            self._keep_loss(engine)  # the logged step's loss
         if self._losses:
             # One device op per interval instead of one logged value per micro-batch.
             losses, self._losses = self._losses, []
@@ -249,16 +256,15 @@ class TrainMetrics(Callback):
             grad_norm = getattr(engine, "grad_norm", None)
             if grad_norm is not None and "grad_norm" not in engine.metrics:
                 engine.log("grad_norm", grad_norm, "max")  # as GradClip logs it
-        steps = state.step - self._step0
         if steps:
-            elapsed = self._last_end - self._window_start - self._gaps
+            elapsed = now - self._window_start - (self._gap_time(engine) - self._window_gaps)
             if config.timing:
                 engine.log("time.step", elapsed / steps, "mean")
                 if config.data_wait:
                     engine.log("time.data_wait", self._data_time / steps, "mean")
             if config.throughput and elapsed > 0:
                 self._log_throughput(engine, elapsed)
-        self._reset_window(engine)
+        self._reset_window(engine, now)
 
     def _log_throughput(self, engine: Engine, elapsed: float) -> None:
         config, state = self.config, engine.state

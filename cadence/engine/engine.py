@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -234,6 +235,8 @@ class Engine:
         self._run_dir: Path | None = None
         self._run_info: rundir.RunInfo | None = None
         self.long_operation_name: str | None = None
+        #: Seconds spent in `long_operation`s (the outermost ones), summed: step timings leave them out.
+        self.long_operation_time = 0.0
         self.fit_target: tuple[float, float] = (math.inf, math.inf)
         self.restored_from: str | None = None  # the checkpoint the state was last restored from
         self.data: dict[str, DataSource] = {}
@@ -341,12 +344,19 @@ class Engine:
 
     @contextlib.contextmanager
     def long_operation(self, name: str) -> Iterator[None]:
-        """Mark a long blocking operation (a checkpoint save) so watchdogs pause."""
+        """Mark a long blocking operation (a checkpoint save) so watchdogs pause.
+
+        Its time is added to `long_operation_time`, so step timings (`TrainMetrics`'
+        `time.step` and throughput) leave it out.
+        """
         previous, self.long_operation_name = self.long_operation_name, name
+        started = time.perf_counter()
         try:
             yield
         finally:
             self.long_operation_name = previous
+            if previous is None:  # the outermost one: a nested operation's time is inside it
+                self.long_operation_time += time.perf_counter() - started
 
     # -- control ------------------------------------------------------------
 

@@ -52,34 +52,57 @@ LOSS_PATHS = pytest.mark.parametrize("metrics", [TrainMetrics, KeepLossTensors],
 
 
 @LOSS_PATHS
-def test_loss_is_the_mean_of_every_micro_batch_loss_of_the_interval(metrics):
-    engine = make_engine([metrics()], grad_accum=2)
-    losses = []
-    engine.on(cadence.Event.ON_FORWARD, order=99)(lambda e: losses.append(e.loss.item()))
-    logs = record_logs(engine)
-    engine.fit(steps=6)
-    assert [step for step, _ in logs] == [3, 6]
-    assert len(losses) == 12  # 2 micro-batches x 6 steps
-    assert logs[0][1]["loss"] == pytest.approx(sum(losses[:6]) / 6, rel=1e-12)
-    assert logs[1][1]["loss"] == pytest.approx(sum(losses[6:]) / 6, rel=1e-12)
-    assert set(logs[0][1]) == {"loss", "lr", "time.step", "throughput.samples_per_sec"}
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_loss_is_the_logged_steps_and_loss_mean_the_intervals(metrics, accum):
+    """By default the logged step's loss (its micro-batches' mean); loss_mean=True: every micro-batch of the interval."""
+    for loss_mean in (False, True):
+        engine = make_engine([metrics(loss_mean=loss_mean)], grad_accum=accum)
+        losses = []
+        engine.on(cadence.Event.ON_FORWARD, order=99)(lambda e: losses.append(e.loss.item()))
+        logs = record_logs(engine)
+        engine.fit(steps=6)
+        assert [step for step, _ in logs] == [3, 6]
+        assert len(losses) == 6 * accum
+        for (step, logged), first in zip(logs, (0, 3)):
+            kept = losses[first * accum : step * accum] if loss_mean else losses[(step - 1) * accum : step * accum]
+            assert logged["loss"] == pytest.approx(sum(kept) / len(kept), rel=1e-12), (loss_mean, step)
+        assert set(logs[0][1]) == {"loss", "lr", "time.step", "throughput.samples_per_sec"}
 
 
-@LOSS_PATHS
-def test_without_accumulation_the_loss_is_read_once_per_step_and_nothing_listens_to_forward(metrics):
-    engine = make_engine([metrics()])
-    losses, forward_hooks = [], []
-    engine.on(cadence.Event.ON_STEP_END, order=99)(lambda e: losses.append(e.loss.item()))
-    engine.on(cadence.Event.ON_FIT_END)(lambda e: forward_hooks.append(len(e.hooks(cadence.Event.ON_FORWARD))))
-    logs = record_logs(engine)
-    engine.fit(steps=6)
-    assert forward_hooks == [0]
-    assert logs[0][1]["loss"] == pytest.approx(sum(losses[:3]) / 3, rel=1e-12)
-    assert logs[1][1]["loss"] == pytest.approx(sum(losses[3:]) / 3, rel=1e-12)
-    accumulating = make_engine([metrics()], grad_accum=2)
-    accumulating.on(cadence.Event.ON_FIT_END)(lambda e: forward_hooks.append(len(e.hooks(cadence.Event.ON_FORWARD))))
-    accumulating.fit(steps=2)
-    assert forward_hooks == [0, 1] and accumulating.hooks(cadence.Event.ON_FORWARD) == ()  # removed after the fit
+STEP_EVENTS = [
+    cadence.Event.ON_STEP_START,
+    cadence.Event.ON_BATCH,
+    cadence.Event.ON_FORWARD,
+    cadence.Event.ON_BACKWARD,
+    cadence.Event.ON_BEFORE_OPTIMIZER_STEP,
+    cadence.Event.ON_OPTIMIZER_STEP,
+    cadence.Event.ON_STEP_END,
+    cadence.Event.ON_SAVE_POINT,
+]
+
+
+@pytest.mark.parametrize(
+    ("options", "accum", "hooked"),
+    [
+        ({}, 1, {}),
+        ({"loss_mean": True}, 1, {"on_step_end": 1}),
+        ({}, 2, {"on_forward": 1}),
+        ({"loss_mean": True}, 2, {"on_forward": 1}),
+        ({"data_wait": True}, 1, {"on_step_start": 1, "on_step_end": 1}),
+        ({"data_wait": True, "timing": False}, 1, {}),
+        ({"loss": False, "loss_mean": True}, 2, {}),
+    ],
+)
+def test_by_default_nothing_runs_per_step(options, accum, hooked):
+    """The default TrainMetrics has no hook inside the step; each opt-in adds its own, for the fit only."""
+    engine = make_engine([TrainMetrics(**options)], grad_accum=accum)
+    during = []
+    engine.on(cadence.Event.ON_FIT_END)(
+        lambda e: during.append({event.value: len(e.hooks(event)) for event in STEP_EVENTS if e.hooks(event)})
+    )
+    engine.fit(steps=2)
+    assert during == [hooked]
+    assert not any(engine.hooks(event) for event in STEP_EVENTS)  # removed when the fit ended
 
 
 @pytest.mark.parametrize("data_wait", [False, True])
@@ -90,17 +113,6 @@ def test_throughput_is_samples_over_step_time(data_wait):
     for _, logged in logs:
         assert logged["throughput.samples_per_sec"] * 4 * logged["time.step"] == pytest.approx(4 * 8, rel=1e-9)
         assert ("time.data_wait" in logged) is data_wait
-
-
-def test_only_data_wait_watches_the_step_start():
-    """The default reads one clock per step, at on_step_end; data_wait=True adds on_step_start, for the fit only."""
-    seen = []
-    for data_wait in (False, True):
-        engine = make_engine([TrainMetrics(data_wait=data_wait)])
-        engine.on(cadence.Event.ON_STEP_END)(lambda e: seen.append(len(e.hooks(cadence.Event.ON_STEP_START))))
-        engine.fit(steps=1)
-        seen.append(len(engine.hooks(cadence.Event.ON_STEP_START)))
-    assert seen == [0, 0, 1, 0]
 
 
 def test_a_restore_inside_a_fit_starts_the_timing_window_again():
@@ -135,7 +147,7 @@ class SlowData:
 
 
 @pytest.mark.parametrize("data_wait", [False, True])
-def test_step_time_counts_the_loader_and_not_evaluation(data_wait):
+def test_step_time_counts_the_loader_and_not_evaluation_or_long_operations(data_wait):
     def slow_eval(model, batch):
         time.sleep(0.1)
         return {"loss": F.cross_entropy(model(batch[0]), batch[1])}
@@ -148,12 +160,19 @@ def test_step_time_counts_the_loader_and_not_evaluation(data_wait):
         eval_every_steps=1,
         log_interval=3,
     )
+
+    @engine.on(cadence.Event.ON_SAVE_POINT, order=1)
+    def export(e):  # as a checkpoint save: a long operation between two steps, nested ones counted once
+        with e.long_operation("export"), e.long_operation("inner"):
+            time.sleep(0.1)
+
     logs = record_logs(engine)
     engine.fit(steps=6)
+    assert engine.long_operation_time >= 0.6
     train = [logged for _, logged in logs if "loss" in logged]
     assert len(train) == 2
     for logged in train:
-        assert 0.03 <= logged["time.step"] < 0.09  # the sleep, not the 0.1 s evaluations
+        assert 0.03 <= logged["time.step"] < 0.09  # the sleep, not the 0.1 s evaluations and exports
         if data_wait:
             assert 0.03 <= logged["time.data_wait"] <= logged["time.step"]
             assert logged["time.step"] - logged["time.data_wait"] < 0.05  # the step itself
@@ -303,20 +322,22 @@ def test_survives_fit_twice_and_default_callbacks():
 
 
 @LOSS_PATHS
-def test_the_steps_after_the_last_interval_are_logged_when_the_fit_ends(metrics):
-    engine = make_engine([metrics(), GradClip(max_norm=1e9)], log_interval=4)
+@pytest.mark.parametrize("loss_mean", [False, True])
+def test_the_steps_after_the_last_interval_are_logged_when_the_fit_ends(metrics, loss_mean):
+    engine = make_engine([metrics(loss_mean=loss_mean), GradClip(max_norm=1e9)], log_interval=4)
     losses, norms = [], []
     engine.on(cadence.Event.ON_STEP_END, order=99)(lambda e: (losses.append(e.loss.item()), norms.append(e.grad_norm)))
     logs = record_logs(engine)
     engine.fit(steps=6)
     assert [step for step, _ in logs] == [4, 6]
     last = logs[1][1]
-    assert last["loss"] == pytest.approx(sum(losses[4:]) / 2, rel=1e-12)  # the two steps since step 4
+    # The two steps since step 4, or the last of them.
+    assert last["loss"] == pytest.approx(sum(losses[4:]) / 2 if loss_mean else losses[5], rel=1e-12)
     assert last["grad_norm"] == pytest.approx(float(norms[-1]))
     assert last["throughput.samples_per_sec"] * 2 * last["time.step"] == pytest.approx(2 * 8, rel=1e-9)
     engine.fit(steps=2)  # 7, 8: the interval at 8, nothing more at the end
     assert [step for step, _ in logs] == [4, 6, 8]
-    assert logs[2][1]["loss"] == pytest.approx(sum(losses[6:]) / 2, rel=1e-12)
+    assert logs[2][1]["loss"] == pytest.approx(sum(losses[6:]) / 2 if loss_mean else losses[7], rel=1e-12)
     assert engine.metrics._collectors == []  # both collectors removed at teardown
 
 
