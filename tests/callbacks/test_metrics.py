@@ -53,20 +53,20 @@ LOSS_PATHS = pytest.mark.parametrize("metrics", [TrainMetrics, KeepLossTensors],
 
 @LOSS_PATHS
 @pytest.mark.parametrize("accum", [1, 2])
-def test_the_loss_is_the_logged_steps_and_loss_mean_the_intervals(metrics, accum):
+@pytest.mark.parametrize("loss_mean", [False, True])
+def test_the_loss_is_the_logged_steps_and_loss_mean_the_intervals(metrics, accum, loss_mean):
     """By default the logged step's loss (its micro-batches' mean); loss_mean=True: every micro-batch of the interval."""
-    for loss_mean in (False, True):
-        engine = make_engine([metrics(loss_mean=loss_mean)], grad_accum=accum)
-        losses = []
-        engine.on(cadence.Event.ON_FORWARD, order=99)(lambda e: losses.append(e.loss.item()))
-        logs = record_logs(engine)
-        engine.fit(steps=6)
-        assert [step for step, _ in logs] == [3, 6]
-        assert len(losses) == 6 * accum
-        for (step, logged), first in zip(logs, (0, 3)):
-            kept = losses[first * accum : step * accum] if loss_mean else losses[(step - 1) * accum : step * accum]
-            assert logged["loss"] == pytest.approx(sum(kept) / len(kept), rel=1e-12), (loss_mean, step)
-        assert set(logs[0][1]) == {"loss", "lr", "time.step", "throughput.samples_per_sec"}
+    engine = make_engine([metrics(loss_mean=loss_mean)], grad_accum=accum)
+    losses = []
+    engine.on(cadence.Event.ON_FORWARD, order=99)(lambda e: losses.append(e.loss.item()))
+    logs = record_logs(engine)
+    engine.fit(steps=6)
+    assert [step for step, _ in logs] == [3, 6]
+    assert len(losses) == 6 * accum
+    for (step, logged), first in zip(logs, (0, 3)):
+        kept = losses[first * accum : step * accum] if loss_mean else losses[(step - 1) * accum : step * accum]
+        assert logged["loss"] == pytest.approx(sum(kept) / len(kept), rel=1e-12), step
+    assert set(logs[0][1]) == {"loss", "lr", "time.step", "throughput.samples_per_sec"}
 
 
 STEP_EVENTS = [
