@@ -584,7 +584,7 @@ def build_engine(cfg: LMConfig, callbacks: list[Any] | None = None) -> cadence.E
     model = Transformer(cfg.model)
     train_bytes, val_bytes, _ = stdlib_corpus(cfg.data)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    # An LM step is long: the second clock read of time.data_wait costs nothing here, and says when input is the bottleneck.
+    # An LM step is long: the step hooks of time.data_wait cost nothing here, and it says when input is the bottleneck.
     metrics = TrainMetrics(flops_per_token=model.flops_per_token(), peak_flops=cfg.peak_flops, data_wait=True)
     train = ByteSequences(train_bytes, cfg.model.seq_len)
     if cfg.engine.backend == "mesh" and cfg.mesh.get("pipeline", 1) > 1:
