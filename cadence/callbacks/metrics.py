@@ -3,8 +3,8 @@
 By default nothing runs per step: a collector, called right before the
 engine reduces the metrics (every `log_interval`, and at the end of a fit),
 reads the logged step's loss, the clock and the counters. The interval's mean
-loss (`loss_mean=True`) and the data wait (`data_wait=True`) cost a hook per
-step. See docs/observability.md.
+loss (`loss_mean=True`) costs a hook per step, the data wait (`data_wait=True`)
+two. See docs/observability.md.
 """
 
 from __future__ import annotations
