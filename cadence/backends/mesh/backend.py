@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.ddp import _OPS, DDPBackend, OverlappedAgreement
-from cadence.backends.local import default_device
+from cadence.backends.device import resolve_device
 from cadence.backends.mesh.config import MeshConfig
 from cadence.backends.mesh.pipeline import Pipeline, SplitFn, refuse_short_steps, resolve_split
 from cadence.backends.transforms import (
@@ -180,7 +180,7 @@ class MeshBackend(DDPBackend):
         self.group = dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self._choose_device()
+        self.device = self._resolve_device()  # `cuda` is this rank's local GPU (cadence.backends.device)
         self._build_mesh()
         if self.ft is not None:  # the Manager joins the lighthouse; the first quorum heals the groups equal
             self.ft.start(engine, self.rank, self.world_size, self.device.type)
@@ -231,30 +231,17 @@ class MeshBackend(DDPBackend):
 
     def _expected_device_type(self) -> str:
         """The device type setup will choose, known before any process group (for validation)."""
-        if self.requested_device:
-            return torch.device(self.requested_device).type
-        if self.process_group_backend == "gloo" or not torch.cuda.is_available():
-            return "cpu"
-        return "cuda"
+        group = dist.get_backend() if dist.is_initialized() else self._group_backend()
+        return resolve_device(self.requested_device, process_group=group, current=False).type
 
     def _init_group(self) -> None:
         if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
             # One process started as a plain script: a group of one, no launcher needed.
-            backend = self.process_group_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            backend = self._group_backend()
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
             self.created_group = True
         else:
             self._init_process_group()
-
-    def _choose_device(self) -> None:
-        if self.requested_device:
-            self.device = default_device(self.requested_device, self.local_rank)
-        elif dist.get_backend() == "nccl":
-            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        else:
-            self.device = torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
 
     def _build_mesh(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh

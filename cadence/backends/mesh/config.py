@@ -73,8 +73,9 @@ class MeshConfig:
             default `model.fsdp_units()`.
         activation_checkpointing: see `cadence.backends.transforms.ActivationCheckpointConfig`.
         compile: see `cadence.backends.transforms.CompileConfig`.
-        device: None: `cuda:LOCAL_RANK` with CUDA, else CPU.
-        process_group_backend: None: "nccl" with CUDA, else "gloo".
+        device: `"cuda"` is `cuda:LOCAL_RANK`; None: `cuda:LOCAL_RANK` with an NCCL group, else
+            the CPU (`cadence.backends.device`).
+        process_group_backend: None: "nccl" with CUDA (unless `device` is not CUDA), else "gloo".
         timeout: collective timeout in seconds.
         checkpoint: "dcp": `torch.distributed.checkpoint`, every rank writes its shards.
         context_attention: the SDPA kernel under context parallel: "auto"
