@@ -170,6 +170,7 @@ def make_run(workspace: Path, steps: int, seed: int, fail_at: int | None = None,
     engine = cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(8), loss_fn=torch.nn.functional.cross_entropy,
         workspace=str(workspace), seed=seed, lineage=lineage, callbacks=[OpensRunDir(fail_at), *extra],
+        device="cpu",
     )  # fmt: skip
     if fail_at is None:
         engine.fit(steps=steps)
@@ -187,7 +188,7 @@ def test_runs_lists_each_run_with_its_last_attempt(tmp_path):
         "import os, torch, cadence\n"
         "m = torch.nn.Linear(2, 1)\n"
         "e = cadence.Engine(m, torch.optim.SGD(m.parameters(), lr=0.1), [(torch.ones(1, 2), torch.ones(1, 1))] * 9,\n"
-        "    loss_fn=torch.nn.functional.mse_loss, seed=5, workspace='ws', lineage='killed')\n"
+        "    loss_fn=torch.nn.functional.mse_loss, seed=5, workspace='ws', lineage='killed', device='cpu')\n"
         "e.on(cadence.Event.ON_STEP_END, once=2)(lambda e: (e.run_dir, os._exit(1)))\n"
         "e.fit(steps=9)\n"
     )
@@ -247,6 +248,7 @@ def test_inspect_shows_step_config_tensors_callbacks_and_a_good_manifest(tmp_pat
         model, torch.optim.Adam(model.parameters()), tiny_batches(4), eval_data=tiny_batches(2, seed=9),
         step_fn=lambda m, b: torch.nn.functional.cross_entropy(m[1](m[0](b[0]).double()), b[1]),
         config=run_config.engine, run_config=run_config, callbacks=[Checkpoint(save_best=True)],
+        device="cpu",
     )  # fmt: skip
     engine.fit(epochs=2)
     checkpoint = next(c for c in engine.callbacks if isinstance(c, Checkpoint))

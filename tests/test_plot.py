@@ -42,6 +42,7 @@ def run_dir(tmp_path):
         seed=0,
         workspace=str(tmp_path),
         train={"batch_size": 8},
+        device="cpu",
     )
     engine.fit(epochs=2)
     return engine.run_dir

@@ -42,7 +42,7 @@ def ds_backend(stage, timeout=60):
     # ZeRO-3 keeps parameters below a size threshold whole on every rank: 0 partitions all of them,
     # so every forward gathers (the tiny test model would otherwise never do).
     raw = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else {}
-    return DeepSpeedBackend(zero_stage=stage, timeout=timeout, deepspeed=raw)
+    return DeepSpeedBackend(zero_stage=stage, timeout=timeout, deepspeed=raw, device="cpu")
 
 
 def run(fn, *args, nprocs=2):
@@ -144,6 +144,7 @@ def make_engine(backend, batch_size, callbacks=(), precision="fp32", samples=160
         steps=STEPS,
         train={"batch_size": batch_size, "shuffle": False},
         eval={"batch_size": batch_size},
+        device="cpu",
     )
 
 
@@ -328,7 +329,9 @@ def test_zero3_agreed_skip_clipping_ema_and_bitwise_resume(tmp_path):
 def resume_on_one_rank(directory):
     # No group is set up here: the backend makes its own (the launcher's environment, one rank).
     engine = make_engine(
-        DeepSpeedBackend(zero_stage=2, timeout=30), 4, [Checkpoint(dir=directory, resume=directory + "/latest")]
+        DeepSpeedBackend(zero_stage=2, timeout=30, device="cpu"),
+        4,
+        [Checkpoint(dir=directory, resume=directory + "/latest")],
     )
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     try:
@@ -440,7 +443,7 @@ def test_engine_reports_a_conflict_before_joining_a_group():
         cadence.Engine(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            backend=DeepSpeedBackend(deepspeed={"gradient_accumulation_steps": 8}),
+            backend=DeepSpeedBackend(deepspeed={"gradient_accumulation_steps": 8}, device="cpu"),
             grad_accum=2,
         )
     assert not torch.distributed.is_initialized()
@@ -450,14 +453,16 @@ def test_engine_reports_a_conflict_before_joining_a_group():
 def test_fp16_without_cuda_fails_before_anything_starts():
     model = tiny_model()
     with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
-        DeepSpeedBackend(precision="fp16")
+        DeepSpeedBackend(precision="fp16", device="cpu")
     with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
-        cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="deepspeed", precision="fp16")
+        cadence.Engine(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), backend="deepspeed", precision="fp16", device="cpu"
+        )
     with pytest.raises(ValueError, match=r"fp16.enabled: DeepSpeed config True"):
         cadence.Engine(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            backend=DeepSpeedBackend(deepspeed={"fp16": {"enabled": True}}),
+            backend=DeepSpeedBackend(deepspeed={"fp16": {"enabled": True}}, device="cpu"),
         )
     assert not torch.distributed.is_initialized()
 
@@ -472,7 +477,7 @@ def test_missing_deepspeed_names_the_extra():
         assert "deepspeed" in cadence.engine.registry.backends.names()
         model = torch.nn.Linear(2, 1)
         try:
-            cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="deepspeed")
+            cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="deepspeed", device="cpu")
         except ImportError as exc:
             print(exc)
         """
@@ -525,7 +530,7 @@ def test_one_process_without_a_launcher_leaves_nothing_behind():
         linear = torch.nn.functional.linear
         model = tiny_model()
         with cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(16),
-                            loss_fn=torch.nn.functional.cross_entropy, backend=DeepSpeedBackend(zero_stage=3),
+                            loss_fn=torch.nn.functional.cross_entropy, backend=DeepSpeedBackend(zero_stage=3, device="cpu"),
                             seed=0) as engine:
             engine.fit(steps=1)
             during = os.environ.get("WORLD_SIZE")

@@ -26,6 +26,7 @@ def make(backend=None, grad_accum=2, lr=0.1, engine_class=cadence.Engine, **kwar
         grad_accum=grad_accum,
         seed=0,
         **kwargs,
+        device="cpu",
     )
 
 
@@ -143,7 +144,9 @@ def test_a_backend_that_overrides_the_optimizer_step_keeps_it():
     assert backend.calls == 4 and engine.state.step == 4
     several = tiny_model()
     optimizers = [torch.optim.SGD([p], lr=0.1) for p in several.parameters()]
-    engine = cadence.Engine(several, optimizers, tiny_batches(4), loss_fn=F.cross_entropy, seed=0, backend="local")
+    engine = cadence.Engine(
+        several, optimizers, tiny_batches(4), loss_fn=F.cross_entropy, seed=0, backend="local", device="cpu"
+    )
     before = [p.detach().clone() for p in several.parameters()]
     engine.fit(steps=1)  # several optimizers: the backend's loop steps each
     assert all(not torch.equal(a, b) for a, b in zip(before, several.parameters()))
@@ -253,6 +256,7 @@ def train_through_a_nan(backend):
         backend=backend,
         callbacks=[NonFiniteSkip()],  # under a scaler it checks the loss only
         seed=0,
+        device="cpu",
     )
     engine.fit(steps=4)
     assert engine.state.step == 4 and engine.state.skipped_steps == 1

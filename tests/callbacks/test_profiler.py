@@ -26,7 +26,7 @@ def make_engine(callbacks, **kwargs):
         callbacks=callbacks,
         seed=0,
         log_interval=2,
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 

@@ -95,7 +95,7 @@ def make_engine(callbacks, **kwargs):
         seed=0,
         log_interval=2,
         train={"batch_size": 8},
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 
