@@ -4,7 +4,8 @@ The loop asks once per fit for a `Placement` and then calls it without
 branching: `placement.steps(feed.steps(...))` hands it each step's
 micro-batches, and `placement.to_device` (None: nothing to do) places each one
 as it is used. On the CPU both are the plain thing: the groups as they come and
-no call per batch.
+no call per batch; the micro-batches the loop sees are always the host ones
+the feed fetched (counted, kept as the pending step).
 
 With prefetch (`EngineConfig.prefetch_to_device`, on by default when batches
 go to a CUDA device) each micro-batch's copy is issued one ahead, the way
@@ -61,22 +62,39 @@ class Placement:
 class Prefetch(Placement):
     """Copies each micro-batch one ahead of its use (on a side stream on CUDA).
 
-    `steps()` yields, per step, a `PrefetchedStep`: indexing and `len()` give
-    the host micro-batches, iterating gives them on the device, each copy
-    issued before the previous batch is handed out. `to_device` is None: the
-    loop uses what it iterates as given.
+    `steps()` hands the loop each step's micro-batches as the feed fetched
+    them, after issuing the first one's copy; `to_device(batch)` then issues
+    the next micro-batch's copy and returns `batch`'s, ready for the compute
+    stream. A batch that is not the step's next (a callback placing its own)
+    is copied then and there.
     """
 
-    def __init__(self, to_device: ToDevice, device: torch.device) -> None:
-        super().__init__(None)
-        self.place = to_device
+    def __init__(self, place: ToDevice, device: torch.device) -> None:
+        super().__init__(self.to_device_ahead)
+        self.place = place
         self.device = device
         # A stream of its own for the copies (CUDA only): they overlap the compute stream's work.
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._group: Sequence[Any] = ()
+        self._next = 0  # the index in `_group` of the batch whose copy is `_ahead`
+        self._ahead: tuple[Any, Any] | None = None
 
-    def steps(self, groups: Iterable[Sequence[Any]]) -> Iterator[PrefetchedStep]:
+    def steps(self, groups: Iterable[Sequence[Any]]) -> Iterator[Sequence[Any]]:
         for group in groups:
-            yield PrefetchedStep(group, self)
+            # The first copy goes out as soon as the step's micro-batches are fetched.
+            self._group, self._next = group, 0
+            self._ahead = self.copy(group[0]) if len(group) else None
+            yield group
+        self._group, self._ahead = (), None
+
+    def to_device_ahead(self, batch: Any) -> Any:
+        """`batch` on the device; the step's next micro-batch's copy is issued before it is returned."""
+        group, index, ahead = self._group, self._next, self._ahead
+        if ahead is None or index >= len(group) or group[index] is not batch:
+            return self.ready(*self.copy(batch))
+        self._next = index + 1
+        self._ahead = self.copy(group[index + 1]) if index + 1 < len(group) else None
+        return self.ready(*ahead)
 
     def copy(self, batch: Any) -> tuple[Any, Any]:
         """Issue `batch`'s copy; returns (the batch on the device, an event to wait for, or None)."""
@@ -102,34 +120,6 @@ class Prefetch(Placement):
             if tensor.device.type == "cuda":
                 tensor.record_stream(current)
         return placed
-
-
-class PrefetchedStep(Sequence[Any]):
-    """One step's micro-batches: indexed, the host batches; iterated, on the device, each copied one ahead."""
-
-    def __init__(self, host: Sequence[Any], prefetch: Prefetch) -> None:
-        self.host = host
-        self.prefetch = prefetch
-        # The first copy is issued now, right after the step's batches were fetched.
-        self._first: tuple[Any, Any] | None = prefetch.copy(host[0]) if len(host) else None
-
-    def __len__(self) -> int:
-        return len(self.host)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.host[index]
-
-    def __iter__(self) -> Iterator[Any]:
-        prefetch, host = self.prefetch, self.host
-        following, self._first = self._first, None
-        if following is None and len(host):  # iterated a second time: copy again
-            following = prefetch.copy(host[0])
-        for i in range(len(host)):
-            current = following
-            assert current is not None
-            # The next micro-batch's copy goes out before this one is handed to the loop.
-            following = prefetch.copy(host[i + 1]) if i + 1 < len(host) else None
-            yield prefetch.ready(*current)
 
 
 def _as_given(batch: Any) -> Any:
