@@ -6,8 +6,9 @@ Tests on a machine with a GPU (see docs/gpus.md, "Running the tests on a GPU"):
   backend; multi-process gloo tests pin the CPU in every rank.
 - A test that needs CUDA is marked `@pytest.mark.cuda` (`cuda(gpus=2)` for
   two); it is skipped, with the reason, where fewer GPUs are visible.
-- A test that trains on the default device on purpose (the README's and the
-  docs' examples, the default-device checks) is marked `default_device`.
+- A test that trains on the default device on purpose is marked
+  `default_device`. The docs' and the README's examples, which name no
+  device, run in the test process with the `cpu_default_device` fixture.
 
 Forking after CUDA: a process that has initialized CUDA cannot fork workers
 that use it (torch raises "Cannot re-initialize CUDA in forked subprocess", and
@@ -76,6 +77,23 @@ def _cuda_stays_uninitialized(request):
             "(device='cpu') in a test about CPU behaviour, or mark the test (see tests/conftest.py)",
             pytrace=False,
         )
+
+
+@pytest.fixture
+def cpu_default_device(monkeypatch):
+    """Backends built without a device take the CPU: for examples that name none (docs pages, the README).
+
+    Such examples, run in the test process on a GPU host, would initialize CUDA and then fork
+    (docs/launching.md launches workers after building an engine): here they run on the CPU.
+    """
+    from cadence.backends import device as devices
+
+    choose = devices.choose_device
+
+    def cpu_unless_named(requested, **kwargs):
+        return choose("cpu" if requested is None or requested == "" else requested, **kwargs)
+
+    monkeypatch.setattr(devices, "choose_device", cpu_unless_named)
 
 
 class DefaultDeviceUsed(RuntimeError):

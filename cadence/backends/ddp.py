@@ -199,10 +199,10 @@ class DDPBackend(LocalBackend):
         )
 
     def _group_backend(self) -> str:
-        """The process-group backend this backend creates: as given, else NCCL for CUDA, else gloo."""
-        return choose_process_group_backend(
-            self.process_group_backend, self.requested_device, torch.cuda.is_available()
-        )
+        """The process-group backend this backend creates: as given, else NCCL for a CUDA device, else gloo."""
+        # Before any group, no device asked for means the local-rank GPU when there is one.
+        device = resolve_device(self.requested_device, current=False)
+        return choose_process_group_backend(self.process_group_backend, device)
 
     def _check_before_group(self) -> None:
         # What setup would refuse after joining the group (a device not here or out of

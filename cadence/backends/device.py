@@ -100,20 +100,19 @@ def _cuda(index: int, local_rank: int, visible: int, where: str, what: str) -> t
     return torch.device("cuda", index)
 
 
-def choose_process_group_backend(requested: str | None, device: str | torch.device | None, cuda: bool) -> str:
-    """The torch.distributed backend a backend creates: `requested`, else NCCL for CUDA, else gloo.
+def choose_process_group_backend(requested: str | None, device: torch.device) -> str:
+    """The torch.distributed backend a backend creates: `requested`, else NCCL for a CUDA device, else gloo.
 
-    NCCL when CUDA is available (`cuda`) and the requested device is None or a
-    CUDA device; gloo otherwise (a CPU, MPS, ... device, or no CUDA).
+    `device` is the one the process will use (`resolve_device` before any
+    group: with no device asked for, the local-rank GPU when there is one).
 
     Example:
-        >>> choose_process_group_backend(None, "cpu", cuda=True)
+        >>> choose_process_group_backend(None, torch.device("cpu"))
         'gloo'
     """
     if requested:
         return requested
-    wants_cuda = device is None or device == "" or torch.device(device).type == "cuda"
-    return "nccl" if cuda and wants_cuda else "gloo"
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def resolve_device(

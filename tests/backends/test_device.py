@@ -78,12 +78,11 @@ def test_a_device_torch_does_not_know_is_named():
         choose_device("gpu")
 
 
-def test_the_process_group_backend_follows_the_requested_device():
-    assert choose_process_group_backend(None, None, cuda=True) == "nccl"
-    assert choose_process_group_backend(None, "cuda:1", cuda=True) == "nccl"
-    assert choose_process_group_backend(None, "cpu", cuda=True) == "gloo"
-    assert choose_process_group_backend(None, None, cuda=False) == "gloo"
-    assert choose_process_group_backend("gloo", "cuda", cuda=True) == "gloo"  # as given
+def test_the_process_group_backend_follows_the_device():
+    assert choose_process_group_backend(None, cuda(1)) == "nccl"
+    assert choose_process_group_backend(None, CPU) == "gloo"
+    assert choose_process_group_backend(None, MPS) == "gloo"
+    assert choose_process_group_backend("gloo", cuda(0)) == "gloo"  # as given
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

@@ -279,7 +279,7 @@ def test_non_finite_skip_under_a_scaler_backs_the_scale_off_and_keeps_training()
     assert engine.backend.scaler.get_scale() == 512.0  # one back-off, as a GradScaler's own skip
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast with a GradScaler needs a CUDA device")
+@pytest.mark.cuda  # fp16 autocast with a GradScaler needs a CUDA device
 def test_fp16_on_cuda_trains_through_a_non_finite_step():
     engine = train_through_a_nan(LocalBackend(device="cuda", precision="fp16"))
     assert engine.backend.scaler.get_scale() < 2.0**16  # the scaler's default start, backed off

@@ -399,17 +399,14 @@ def test_expert_axis_errors_name_the_experts(monkeypatch):
 
 def train_context_causal_cuda() -> dict:
     grads = Grads()
-    backend = MeshBackend(shard=1, context=2, context_attention="flash", precision="bf16", timeout=60, device="cpu")
+    backend = MeshBackend(shard=1, context=2, context_attention="flash", precision="bf16", timeout=60, device="cuda")
     with make_engine(model_config(causal=True), backend, 2, [grads], seed=0) as engine:
         engine.fit(steps=1)
         return {"loss": grads.loss, "grads": {k: v.float().cpu() for k, v in grads.grads.items()}}
 
 
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2,
-    reason="ring attention (causal context parallel) exists only for the CUDA flash/efficient/cudnn SDPA kernels; "
-    "needs 2 GPUs",
-)
+# Ring attention (causal context parallel) exists only for the CUDA flash/efficient/cudnn SDPA kernels.
+@pytest.mark.cuda(gpus=2)
 def test_context_parallel_ring_attention_causal():
     got = launch(train_context_causal_cuda, nprocs=2, start_method="spawn", timeout=110)
     torch.manual_seed(0)

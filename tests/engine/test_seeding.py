@@ -152,7 +152,7 @@ def checkpointed_run(directory: Path, *, stop: int | None = None, resume: bool =
     engine = cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(64),
         loss_fn=torch.nn.functional.cross_entropy, seed=5, steps=8, log_interval=1000,
-        device="cuda" if cuda else None, train={"batch_size": 8},
+        device="cuda" if cuda else "cpu", train={"batch_size": 8},
         callbacks=[recorder, Checkpoint(dir=str(directory), interval=4, auto_resume=resume)],
     )  # fmt: skip
     if stop is not None:  # requested before the optimizer step of step `stop`, agreed in it
@@ -179,9 +179,7 @@ def test_resume_continues_the_python_numpy_and_torch_random_streams(tmp_path):
     assert_resumed_draws_match(tmp_path)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device: the CUDA RNG exists, and is checkpointed, only with one"
-)
+@pytest.mark.cuda  # the CUDA RNG exists, and is checkpointed, only with a CUDA device
 def test_resume_continues_the_cuda_random_stream(tmp_path):
     assert_resumed_draws_match(tmp_path, cuda=True)
 
