@@ -134,7 +134,7 @@ class MeshBackend(DDPBackend):
         #: Every axis's resolved size.
         self.sizes: dict[str, int] = {}
         self.data_group: Any = None
-        self.sharded = False  # whether fully_shard was applied (a data domain of more than one rank)
+        self.sharded = False  # whether fully_shard is applied (a data domain of several ranks, ft, cpu_offload)
         self._fsdp_modules: list[tuple[Any, bool]] = []  # (FSDPModule, its reshard_after_forward)
         self._root: Any = None
         self._sync: bool | None = None
@@ -255,9 +255,11 @@ class MeshBackend(DDPBackend):
         self.data_rank, self.data_size = data.get_local_rank(), data.size()
         if sizes["context"] > 1:
             self.context_mesh = self.mesh["context"]
-        tensor_only = self.data_size == 1 and sizes["tensor"] > 1
-        # bf16 is FSDP2's MixedPrecisionPolicy when parameters are sharded; autocast otherwise.
-        self.set_precision(self.config.precision if tensor_only else "fp32", self.device)
+        # fully_shard over a data domain of several ranks; under ft always, also on one rank (the all-reduce
+        # hook across replica groups is FSDP2's); with cpu_offload too (CPUOffloadPolicy is FSDP2's).
+        self.sharded = self.data_size * sizes["context"] > 1 or self.ft is not None or self.config.cpu_offload
+        # bf16 is FSDP2's MixedPrecisionPolicy when parameters are sharded; autocast otherwise (one GPU, TP only).
+        self.set_precision("fp32" if self.sharded else self.config.precision, self.device)
 
     def _transform(self, model: torch.nn.Module) -> None:
         config = self.config
@@ -276,9 +278,7 @@ class MeshBackend(DDPBackend):
                 model, self.device.type, self.world_size, self.sizes["expert"], self.sizes["expert_tensor"]
             )
             self._norm_groups = {self._expert_params[0].device_mesh: norm_group}  # type: ignore[attr-defined]
-        # Under ft always sharded, also on one rank: the all-reduce hook across replica groups is FSDP2's.
-        self.sharded = self.data_size * self.sizes["context"] > 1 or self.ft is not None
-        if self.sharded:
+        if self.sharded:  # decided in _build_mesh
             self._shard(model, units)
         if self.ft is not None:
             hook = self.ft.all_reduce_hook()
