@@ -9,6 +9,7 @@ DeepSpeed op is compiled (no shm op, torch optimizers only).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -543,3 +544,44 @@ def test_one_process_without_a_launcher_leaves_nothing_behind():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=110)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT")), done.stdout + done.stderr)
     assert line.startswith("RESULT 1 True True"), line
+
+
+# -- on a GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_zero2_bf16_on_one_gpu_trains(tmp_path):
+    """DeepSpeed's CUDA accelerator, ZeRO-2 in bf16 with a torch optimizer, one process without a launcher.
+
+    In its own interpreter: this test process chose DeepSpeed's CPU accelerator when it imported it.
+    """
+    script = textwrap.dedent(
+        """
+        import json, torch, cadence
+        from cadence.backends.deepspeed import DeepSpeedBackend
+        from tests.conftest import tiny_dataset, tiny_model
+        model = tiny_model()
+        losses = []
+        with cadence.Engine(model, torch.optim.AdamW(model.parameters(), lr=0.02), tiny_dataset(128),
+                            loss_fn=torch.nn.functional.cross_entropy, seed=0, grad_accum=2,
+                            backend=DeepSpeedBackend(zero_stage=2, precision="bf16", device="cuda"),
+                            train={"batch_size": 8}) as engine:
+            engine.on(cadence.Event.ON_FORWARD)(lambda e: losses.append(float(e.loss)))
+            engine.fit(steps=8)
+            weights = engine.backend.model_state_dict(engine)
+            print("RESULT", json.dumps([str(engine.backend.device), torch.distributed.get_backend(),
+                  engine.state.skipped_steps, sorted({str(w.device) for w in weights.values()}),
+                  sorted({str(w.dtype) for w in weights.values()}), losses[0], sum(losses[-4:]) / 4]))
+        """
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cuda", "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    device, group, skipped, devices, dtypes, first, last = json.loads(line.split(" ", 1)[1])
+    assert (device, group, skipped) == ("cuda:0", "nccl", 0), line
+    assert "cuda:0" in devices and "torch.bfloat16" in dtypes, line
+    assert last < first, line

@@ -133,6 +133,20 @@ def test_non_finite_skip_checks_what_local_gradients_returns():
     assert engine.state.skipped_steps == 1
 
 
+@pytest.mark.cuda
+def test_non_finite_skip_checks_gradients_on_several_devices():
+    """CUDA gradients with a host part (as CPU-offloaded shards are): checked together, the NaN found."""
+
+    class HostShard(LocalBackend):
+        def local_gradients(self, engine):
+            host = torch.tensor([float("nan") if engine.state.step + 1 == 2 else 0.0])
+            return [*super().local_gradients(engine), host]
+
+    engine = _engine(HostShard(device="cuda"), [NonFiniteSkip()])
+    engine.fit(steps=3)
+    assert engine.state.skipped_steps == 1
+
+
 def test_evaluate_and_predict_run_inside_the_backend_s_evaluation_context():
     class Holding(LocalBackend):
         def __init__(self):
