@@ -311,4 +311,4 @@ def test_metric_names_are_checked_against_this_ranks_own():
     store = MetricStore()
     store.log("loss", 1.0)
     with pytest.raises(RuntimeError, match="ranks logged different metrics"):
-        store.compute(OthersRows())
+        store.compute(OthersRows(device="cpu"))
