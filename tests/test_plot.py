@@ -6,8 +6,11 @@ import io
 
 import pytest
 import torch
-from PIL import Image
 from torch.nn import functional as F
+
+pytest.importorskip("matplotlib", reason="the plot extra is not installed (pip install 'cadence[plot]')")
+
+from PIL import Image
 
 import cadence
 from cadence.callbacks.jsonl import read_jsonl
