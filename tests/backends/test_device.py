@@ -104,6 +104,18 @@ def test_requesting_cuda_without_cuda_fails_before_any_group_on_every_backend(ba
     assert not dist.is_initialized()
 
 
+@pytest.mark.default_device  # checks the default on purpose (CADENCE_TEST_EXPLICIT_DEVICE does not apply)
+def test_the_default_device_here_is_the_local_rank_gpu_else_the_cpu(monkeypatch):
+    from cadence.backends.local import LocalBackend
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    mps = torch.backends.mps.is_available()
+    expected = cuda(0) if gpus else MPS if mps else CPU
+    assert LocalBackend().device == expected == resolve_device(None, current=False)
+    assert resolve_device(None, process_group="gloo", current=False) == CPU
+
+
 def test_resolve_device_reads_the_local_rank_from_the_environment(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("RANK", "5")
