@@ -310,8 +310,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         for key, _, form in COLUMNS:
             value = r.get(key)
             cells.append(f"{form.format(value) if isinstance(value, (int, float)) else '':>10}")
-        known = {"row", "note", *(key for key, _, _ in COLUMNS)}
-        extra = [f"{k}={_short(v)}" for k, v in r.items() if k not in known]  # rows from gpu_checkpoint.py
+        # Rows of gpu_checkpoint.py: `value` `unit`, `target`, then any other field as key=value.
+        extra = [f"{_short(r['value'])} {r.get('unit', '')}".strip()] if r.get("value") is not None else []
+        extra += [f"target {r['target']}"] if r.get("target") else []
+        known = {"row", "note", "value", "unit", "target", *(key for key, _, _ in COLUMNS)}
+        extra += [f"{k}={_short(v)}" for k, v in r.items() if k not in known]
         note = "; ".join([*extra, *([str(r["note"])] if r.get("note") else [])])
         lines.append(f"{r.get('row', '')!s:{width}}  " + "  ".join(cells) + f"  {note}")
     return "\n".join(lines)

@@ -80,18 +80,18 @@ if [ "$SMOKE" = 1 ]; then
     run_part suite "${SUITE_S:-300}" "$PY" -m pytest -p no:cacheprovider -q --junitxml="$OUT/junit-suite.xml" \
         tests/backends/test_device.py tests/engine/test_placement.py tests/callbacks/test_memory.py
 else
-    run_part suite "${SUITE_S:-270}" "$PY" -m pytest -p no:cacheprovider -q -rfEs "${xdist[@]}" \
+    run_part suite "${SUITE_S:-240}" "$PY" -m pytest -p no:cacheprovider -q -rfEs "${xdist[@]}" \
         --junitxml="$OUT/junit-suite.xml"
 fi
 
 # -- 3. the CUDA tests alone ----------------------------------------------------------------------------
-run_part cuda "${CUDA_S:-110}" "$PY" -m pytest -p no:cacheprovider -v -rfEs -m cuda --junitxml="$OUT/junit-cuda.xml"
+run_part cuda "${CUDA_S:-120}" "$PY" -m pytest -p no:cacheprovider -v -rfEs -m cuda --junitxml="$OUT/junit-cuda.xml"
 
 # -- 4. the benchmark -------------------------------------------------------------------------------------
 if [ "$SMOKE" = 1 ]; then
     run_part benchmark "${BENCH_S:-120}" "$PY" benchmarks/gpu.py --smoke --json "$OUT/gpu.json"
 else
-    run_part benchmark "${BENCH_S:-170}" "$PY" benchmarks/gpu.py --rounds 3 --json "$OUT/gpu.json"
+    run_part benchmark "${BENCH_S:-180}" "$PY" benchmarks/gpu.py --rounds 3 --block 10 --json "$OUT/gpu.json"
 fi
 summary "overall: $([ "$status" = 0 ] && echo passed || echo FAILED); logs and junit in $OUT"
 exit "$status"
