@@ -552,7 +552,9 @@ def make_backend(cfg: LMConfig) -> Any:
     from cadence.engine import registry
 
     mesh_backend = registry.backends.resolve("mesh")
-    return mesh_backend(**cfg.mesh) if cfg.mesh else mesh_backend.from_engine_config(cfg.engine)
+    if not cfg.mesh:
+        return mesh_backend.from_engine_config(cfg.engine)
+    return mesh_backend(**{"device": cfg.engine.device, **cfg.mesh})  # engine.device unless mesh.device says
 
 
 def training_loss(model: Transformer) -> Any:

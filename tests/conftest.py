@@ -1,4 +1,30 @@
-"""Shared test setup: one thread per process (2 shared cores), tiny models and data."""
+"""Shared test setup: one thread per process (2 shared cores), tiny models and data, CUDA tests.
+
+Tests on a machine with a GPU (see docs/gpus.md, "Running the tests on a GPU"):
+
+- A test about CPU behaviour says so: `device="cpu"` on the Engine or the
+  backend; multi-process gloo tests pin the CPU in every rank.
+- A test that needs CUDA is marked `@pytest.mark.cuda` (`cuda(gpus=2)` for
+  two); it is skipped, with the reason, where fewer GPUs are visible.
+- A test that trains on the default device on purpose is marked
+  `default_device`. The docs' and the README's examples, which name no
+  device, run in the test process with the `cpu_default_device` fixture.
+
+Forking after CUDA: a process that has initialized CUDA cannot fork workers
+that use it (torch raises "Cannot re-initialize CUDA in forked subprocess", and
+`cadence.launch` refuses to fork then). Most multi-process tests fork (0.1 s a
+launch instead of 4-5 s with spawn), so rather than make them all spawn, the
+tests that may initialize CUDA (marked `cuda` or `default_device`) run last,
+after every forking test (`pytest_collection_modifyitems` below), and on a
+machine with a GPU any other test that initializes CUDA fails, naming itself
+(`_cuda_stays_uninitialized`): it would break every forking test after it.
+A `cuda` test that must fork starts its workers with spawn.
+
+Finding tests that rely on the default device without a GPU: run with
+`CADENCE_TEST_EXPLICIT_DEVICE=1` and every backend that falls back to its
+default device (`device=None`) raises, in the test process and in its forked
+workers, unless the test is marked `cuda` or `default_device`.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +38,90 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+#: CUDA devices this process sees (counting them initializes no CUDA context).
+VISIBLE_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+#: The markers of tests that may initialize CUDA: they run after every other test.
+CUDA_PHASE = ("cuda", "default_device")
+
+
+def _gpus_needed(item: pytest.Item) -> int | None:
+    marker = item.get_closest_marker("cuda")
+    if marker is None:
+        return None
+    return int(marker.kwargs.get("gpus", marker.args[0] if marker.args else 1))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Skip what needs more GPUs than this machine has, with the reason; then move the tests that
+    # may initialize CUDA after every other test (a stable sort: the order within each part is kept).
+    for item in items:
+        gpus = _gpus_needed(item)
+        if gpus is not None and VISIBLE_GPUS < gpus:
+            have = (
+                "no CUDA device is visible" if not VISIBLE_GPUS else f"only {VISIBLE_GPUS} CUDA device(s) are visible"
+            )
+            item.add_marker(pytest.mark.skip(reason=f"needs {gpus} CUDA device(s); {have}"))
+    items.sort(key=lambda item: any(item.get_closest_marker(name) for name in CUDA_PHASE))
+
+
+@pytest.fixture(autouse=True)
+def _cuda_stays_uninitialized(request):
+    # Only on a machine with a GPU, and only while CUDA is not yet initialized (before the CUDA phase).
+    watch = VISIBLE_GPUS > 0 and not torch.cuda.is_initialized()
+    yield
+    if watch and torch.cuda.is_initialized() and not any(request.node.get_closest_marker(m) for m in CUDA_PHASE):
+        pytest.fail(
+            f"{request.node.nodeid} initialized CUDA but is not marked `cuda` or `default_device`: every forking "
+            "test after it would fail ('Cannot re-initialize CUDA in forked subprocess'). Pin the CPU "
+            "(device='cpu') in a test about CPU behaviour, or mark the test (see tests/conftest.py)",
+            pytrace=False,
+        )
+
+
+@pytest.fixture
+def cpu_default_device(monkeypatch):
+    """Backends built without a device take the CPU: for examples that name none (docs pages, the README).
+
+    Such examples, run in the test process on a GPU host, would initialize CUDA and then fork
+    (docs/launching.md launches workers after building an engine): here they run on the CPU.
+    """
+    from cadence.backends import device as devices
+
+    choose = devices.choose_device
+
+    def cpu_unless_named(requested, **kwargs):
+        return choose("cpu" if requested is None or requested == "" else requested, **kwargs)
+
+    monkeypatch.setattr(devices, "choose_device", cpu_unless_named)
+
+
+class DefaultDeviceUsed(RuntimeError):
+    """Raised under CADENCE_TEST_EXPLICIT_DEVICE=1 when a backend falls back to its default device."""
+
+
+@pytest.fixture(autouse=True)
+def _explicit_device_only(request, monkeypatch):
+    if os.environ.get("CADENCE_TEST_EXPLICIT_DEVICE") != "1":
+        return
+    if any(request.node.get_closest_marker(m) for m in CUDA_PHASE):
+        return
+    from cadence.backends import device as devices
+
+    choose = devices.choose_device
+
+    def explicit_only(requested, **kwargs):
+        if requested is None or requested == "":
+            raise DefaultDeviceUsed(
+                f"CADENCE_TEST_EXPLICIT_DEVICE: {request.node.nodeid} built a backend without a device, which picks "
+                "CUDA on a machine with a GPU; say device='cpu' (Engine or backend), or mark the test "
+                "`default_device` if it checks the default on purpose"
+            )
+        return choose(requested, **kwargs)
+
+    # The rule itself is replaced (resolve_device calls it by name): a guard of the test harness, inherited
+    # by forked workers, not a stand-in for the unit under test.
+    monkeypatch.setattr(devices, "choose_device", explicit_only)
 
 
 def tiny_model(seed: int = 0, inputs: int = 8, classes: int = 4) -> torch.nn.Module:

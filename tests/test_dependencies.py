@@ -28,7 +28,7 @@ WITHOUT_NUMPY = textwrap.dedent(
         model = torch.nn.Linear(8, 4)
         data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 4, (32,)))
         return cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
-                              seed=0, train=cadence.DataConfig(batch_size=8), **overrides)
+                              seed=0, train=cadence.DataConfig(batch_size=8), **{"device": "cpu", **overrides})
 
     def two_ranks():
         with engine(backend="ddp") as e:

@@ -45,7 +45,7 @@ def test_blocks_are_found_and_skip_markers_are_honoured():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_docs_code_blocks_run(page, tmp_path, monkeypatch):
+def test_docs_code_blocks_run(page, tmp_path, monkeypatch, cpu_default_device):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     for line, code, skipped in python_blocks(page.read_text()):
@@ -84,7 +84,7 @@ def test_every_page_of_the_nav_exists_and_every_page_is_in_the_nav():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("module", MODULES)
-def test_docstring_examples_run(module, tmp_path, monkeypatch):
+def test_docstring_examples_run(module, tmp_path, monkeypatch, cpu_default_device):
     monkeypatch.chdir(tmp_path)
     imported = importlib.import_module(module)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

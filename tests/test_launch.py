@@ -187,7 +187,7 @@ def test_launch_from_a_real_notebook_cell(tmp_path, monkeypatch):
             model = torch.nn.Linear(4, 1)
             data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
             with cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                                loss_fn=torch.nn.functional.mse_loss, seed=0) as engine:
+                                loss_fn=torch.nn.functional.mse_loss, seed=0, device="cpu") as engine:
                 engine.fit(steps=steps)
                 return engine.backend.describe(), engine.state.step
         """

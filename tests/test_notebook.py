@@ -28,7 +28,8 @@ def kernel(tmp_path, monkeypatch):
                 "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                 "display_name": "Cadence tests",
                 "language": "python",
-                "env": {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"},
+                # On the CPU also on a GPU host: the notebook launches forked workers after training in the kernel.
+                "env": {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "CUDA_VISIBLE_DEVICES": ""},
             }
         )
     )

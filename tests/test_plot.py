@@ -6,8 +6,11 @@ import io
 
 import pytest
 import torch
-from PIL import Image
 from torch.nn import functional as F
+
+pytest.importorskip("matplotlib", reason="the plot extra is not installed (pip install 'cadence[plot]')")
+
+from PIL import Image
 
 import cadence
 from cadence.callbacks.jsonl import read_jsonl
@@ -42,6 +45,7 @@ def run_dir(tmp_path):
         seed=0,
         workspace=str(tmp_path),
         train={"batch_size": 8},
+        device="cpu",
     )
     engine.fit(epochs=2)
     return engine.run_dir

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(60)
-def test_readme_python_blocks_run(capsys):
+def test_readme_python_blocks_run(capsys, cpu_default_device):
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks, "README has no python example"

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from cadence.backends.local import LocalBackend, Precision, default_device
+from cadence.backends.device import choose_process_group_backend, resolve_device
+from cadence.backends.local import LocalBackend, Precision
 from cadence.backends.transforms import ModelTransforms, UnitsFn
 from cadence.engine.backend import Domain, ReduceOp, StepPlan
 
@@ -57,7 +58,8 @@ class DDPBackend(LocalBackend):
         find_unused_parameters: passed to DDP (for models that skip parameters).
         broadcast_buffers: sync buffers (BatchNorm stats) from rank 0 every forward.
         gradient_as_bucket_view: gradients alias DDP's buckets (saves a copy).
-        device: None: `cuda:LOCAL_RANK` with NCCL, CPU with gloo.
+        device: `"cuda"` is `cuda:LOCAL_RANK`; None: `cuda:LOCAL_RANK` with NCCL, the CPU with gloo
+            (`cadence.backends.device`).
         precision: "fp32", "bf16" or "fp16" (CUDA), as in `LocalBackend`.
         checkpoint: "file": the main process writes one file checkpoint; "dcp": every rank
             writes its part with torch.distributed.checkpoint (`DCPStore`; async saves
@@ -172,14 +174,7 @@ class DDPBackend(LocalBackend):
                     "replica group, or use the mesh backend (MeshBackend(ft=...): FSDP2 inside a group)",
                 )
             self.data_rank, self.data_size = self.ft.data_shard(self.rank, self.world_size)
-        if self.requested_device:
-            self.device = default_device(self.requested_device, self.local_rank)
-        elif dist.get_backend() == "nccl":
-            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        else:
-            self.device = torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = self._resolve_device()
         self.set_precision(self.precision_name, self.device)
         forward = self.prepare_model(engine)  # checkpointing, compile (cadence.backends.transforms)
         engine.model.to(self.device)
@@ -197,12 +192,23 @@ class DDPBackend(LocalBackend):
             self._wrapped = DistributedDataParallel(forward, device_ids=device_ids, **self.ddp_options)
         engine.wrapped_model = self._wrapped
 
+    def _resolve_device(self) -> torch.device:
+        """This rank's device (`cadence.backends.device`), made current; after the group exists."""
+        return resolve_device(
+            self.requested_device, local_rank=self.local_rank, rank=self.rank, process_group=dist.get_backend()
+        )
+
+    def _group_backend(self) -> str:
+        """The process-group backend this backend creates: as given, else NCCL for a CUDA device, else gloo."""
+        # Before any group, no device asked for means the local-rank GPU when there is one.
+        device = resolve_device(self.requested_device, current=False)
+        return choose_process_group_backend(self.process_group_backend, device)
+
     def _check_before_group(self) -> None:
-        # What setup would refuse after joining the group (a device not here,
-        # fp16 without CUDA) is refused before: a failed Engine() leaves no group.
-        cuda = torch.cuda.is_available() and self.process_group_backend != "gloo"
-        device = default_device(self.requested_device) if self.requested_device else None
-        Precision.create(self.precision_name, device or torch.device("cuda" if cuda else "cpu"))
+        # What setup would refuse after joining the group (a device not here or out of
+        # range, fp16 without CUDA) is refused before: a failed Engine() leaves no group.
+        device = resolve_device(self.requested_device, process_group=self._group_backend(), current=False)
+        Precision.create(self.precision_name, device)
 
     def _init_process_group(self) -> None:
         missing = [name for name in _REQUIRED_ENV if name not in os.environ]
@@ -212,13 +218,11 @@ class DDPBackend(LocalBackend):
                 "Start the script with `torchrun --nproc_per_node N script.py`, call `cadence.launch(fn, nprocs=N)`, "
                 "or call torch.distributed.init_process_group yourself first."
             )
-        backend = self.process_group_backend
-        if backend is None:
-            wants_cpu = self.requested_device is not None and torch.device(self.requested_device).type == "cpu"
-            backend = "nccl" if torch.cuda.is_available() and not wants_cpu else "gloo"
+        backend = self._group_backend()
         kwargs: dict[str, Any] = {}
-        if backend == "nccl":
-            kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = resolve_device(self.requested_device, process_group=backend)
+        if backend == "nccl" and device.type == "cuda":  # bound to this rank's GPU: NCCL starts eagerly on it
+            kwargs["device_id"] = device
         dist.init_process_group(backend, timeout=self.timeout, **kwargs)
         self.created_group = True
 

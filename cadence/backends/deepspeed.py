@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend
-from cadence.backends.local import default_device
 from cadence.engine import config as config_module
 from cadence.engine.backend import NULL_CONTEXT, LocalParameter, StepPlan, move_to
 
@@ -73,7 +72,8 @@ class DeepSpeedConfig:
             time; it serves only inference all-reduce, training collectives go
             through torch.distributed either way).
         timeout: collective timeout in seconds.
-        device: None: `cuda:LOCAL_RANK` when CUDA is available, else CPU.
+        device: `"cuda"` is `cuda:LOCAL_RANK`; None: `cuda:LOCAL_RANK` when CUDA is available, else
+            the CPU (`cadence.backends.device`).
     """
 
     zero_stage: int = attrs.field(default=0, validator=attrs.validators.in_((0, 1, 2, 3)))
@@ -168,14 +168,7 @@ class DeepSpeedBackend(DDPBackend):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.data_rank, self.data_size = self.rank, self.world_size
-        if self.requested_device:
-            self.device = default_device(self.requested_device, self.local_rank)
-        elif dist.get_backend() == "nccl":
-            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        else:
-            self.device = torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = self._resolve_device()  # `cuda` is this rank's local GPU (cadence.backends.device)
         self._init_deepspeed_comm()
         deepspeed = self._deepspeed
         if self.created_group:
@@ -205,7 +198,7 @@ class DeepSpeedBackend(DDPBackend):
                 os.environ[name] = value
                 self._env_set.append(name)
         dist.init_process_group(
-            "nccl" if torch.cuda.is_available() and self.requested_device != "cpu" else "gloo",
+            self._group_backend(),
             store=dist.HashStore(),
             rank=0,
             world_size=1,

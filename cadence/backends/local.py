@@ -8,27 +8,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from cadence.backends.device import make_current, resolve_device
 from cadence.backends.transforms import ModelTransforms, UnitsFn, unwrap_compiled
 from cadence.engine.backend import NULL_CONTEXT, Backend, StepPlan
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine, EngineConfig
-
-
-def default_device(requested: str | None = None, local_rank: int = 0) -> torch.device:
-    """The requested device, else CUDA (this rank's), else MPS, else CPU."""
-    if requested:
-        device = torch.device(requested)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {requested!r} was requested but CUDA is not available here")
-        if device.type == "mps" and not torch.backends.mps.is_available():
-            raise ValueError(f"device {requested!r} was requested but MPS is not available here")
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
 
 
 @attrs.define(kw_only=True)
@@ -57,7 +42,8 @@ class LocalBackend(Backend):
     """One process: device placement, autocast, file checkpoints; collectives are identities.
 
     Args:
-        device: `"cpu"`, `"cuda"`, `"cuda:1"`, `"mps"`; None picks CUDA, then MPS, then CPU.
+        device: `"cpu"`, `"cuda"` (this process's local-rank GPU), `"cuda:1"`, `"mps"`; None picks
+            CUDA (the local-rank GPU), then MPS, then the CPU (`cadence.backends.device`).
         precision: `"fp32"`, `"bf16"` (autocast), or `"fp16"` (autocast + GradScaler, CUDA only).
         compile: `torch.compile` of the model's blocks or forward: True, a
             `cadence.backends.transforms.CompileConfig` or a mapping of its fields.
@@ -84,12 +70,15 @@ class LocalBackend(Backend):
     ) -> None:
         self.requested_device = device
         self.precision_name = precision
-        self.device = default_device(device)
+        # Chosen now (fp16 is checked against it); made current at setup, so that building a
+        # backend touches no CUDA context.
+        self.device = resolve_device(device, rank=0, current=False)
         self.set_precision(precision, self.device)
         self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name)
         self.units_fn = units_fn
 
     def setup(self, engine: Engine) -> None:
+        make_current(self.device)
         forward = self.prepare_model(engine)
         engine.model.to(self.device)
         engine.wrapped_model = forward

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import torch
 
+from cadence.callbacks.memory import CudaMemory
 from cadence.engine import config as config_module
 from cadence.engine.bus import Handle
 from cadence.engine.callback import Callback
@@ -62,6 +63,8 @@ class TrainMetricsConfig:
             for a transformer); enables `throughput.tflops` per device.
         flops_per_token: the same per token (give one of the two).
         peak_flops: peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16); enables `mfu`.
+        memory: on a CUDA device, log `memory.peak_allocated_gib`, `memory.peak_reserved_gib` and
+            `memory.alloc_retries` per interval (`cadence.callbacks.memory.CudaMemory`).
     """
 
     loss: bool = True
@@ -74,6 +77,7 @@ class TrainMetricsConfig:
     flops_per_sample: float | None = attrs.field(default=None, validator=_positive)
     flops_per_token: float | None = attrs.field(default=None, validator=_positive)
     peak_flops: float | None = attrs.field(default=None, validator=_positive)
+    memory: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.flops_per_sample is not None and self.flops_per_token is not None:
@@ -90,8 +94,9 @@ class TrainMetrics(Callback):
     Nothing runs per step by default. At each reduction (every log interval,
     and the end of a fit that stopped between two), a collector
     (`MetricStore.add_collector`) logs the logged step's loss, learning rates,
-    gradient norm, mean step time, samples/s, tokens/s, TFLOP/s and MFU, over
-    the steps since the previous reduction. The interval's time is read from
+    gradient norm, mean step time, samples/s, tokens/s, TFLOP/s, MFU (and on
+    CUDA peak memory, `CudaMemory`), over the steps since the previous
+    reduction. The interval's time is read from
     the clock then: from the previous reduction to this one, less the time in
     evaluation (`on_eval_start` to `on_eval_end`) and in
     `engine.long_operation`s (checkpoint saves). Throughput divides the
@@ -152,6 +157,7 @@ class TrainMetrics(Callback):
         self._end_gaps = 0.0
         self._data_time = 0.0
         self._step0 = self._samples0 = self._tokens0 = 0
+        self._memory: CudaMemory | None = None  # read at each reduction, on CUDA only
 
     def _gap_time(self, engine: Engine) -> float:
         """Seconds so far that are not step time: evaluation and the engine's long operations."""
@@ -174,6 +180,7 @@ class TrainMetrics(Callback):
         # nothing, and costs less than keeping an interval's tensors alive. On an
         # accelerator it would wait for the device: keep references instead.
         self._read_losses = engine.backend.device.type == "cpu"
+        self._memory = CudaMemory.started(engine.backend.device) if config.memory else None
         accumulating = engine.config.grad_accum > 1
         # One loss per step: read at the reduction, or kept at on_step_end for the interval's
         # mean. Several: each micro-batch's, kept from on_forward.
@@ -264,6 +271,8 @@ class TrainMetrics(Callback):
                     engine.log("time.data_wait", self._data_time / steps, "mean")
             if config.throughput and elapsed > 0:
                 self._log_throughput(engine, elapsed)
+        if self._memory is not None:
+            self._memory.log(engine)
         self._reset_window(engine, now)
 
     def _log_throughput(self, engine: Engine, elapsed: float) -> None:

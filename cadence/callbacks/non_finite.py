@@ -160,7 +160,7 @@ class NonFiniteSkip(Callback):
         if not values:
             return
         # The one host read per step: a few bytes, a sync on CUDA (see the class docstring).
-        finite = torch.isfinite(torch.stack(values)).tolist()
+        finite = torch.isfinite(_stack(values)).tolist()
         if all(finite):
             return
         kind = 0 if all(finite[grads_checked:]) else 1  # 1: the loss was non-finite here, 0: only gradients
@@ -212,3 +212,16 @@ class NonFiniteSkip(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive = int(state["consecutive"])
         self.total = int(state["total"])
+
+
+def _stack(values: list[torch.Tensor]) -> torch.Tensor:
+    """The scalars in one tensor, on the first one's device when they live on several.
+
+    Gradients need not live where the loss does: FSDP2's `CPUOffloadPolicy`
+    keeps them on the host while the loss is on the GPU, and a backend's
+    `local_gradients` may hand out parts on several devices.
+    """
+    device = values[0].device
+    if any(value.device != device for value in values):
+        values = [value.to(device) for value in values]
+    return torch.stack(values)

@@ -42,8 +42,10 @@ class ProfilerConfig:
         profile_memory: track tensor allocations.
         with_stack: record Python stacks (large traces).
         use_gzip: write `.json.gz` traces.
-        memory_snapshot: dump a CUDA memory snapshot (`memory_snapshot_step<N>.pickle`)
-            at the end of each recorded cycle; skipped, with a logged reason, without CUDA.
+        memory_snapshot: record the CUDA caching allocator's history while a cycle records and
+            dump it (`memory_snapshot_step<N>.pickle`, next to the traces; open it at
+            https://pytorch.org/memory_viz) at the end of the cycle; skipped, with a logged reason,
+            when the engine's device is not CUDA.
     """
 
     wait: int = attrs.field(default=1, validator=_ge0)
@@ -91,6 +93,7 @@ class Profiler(Callback):
         self._instrumented = False
         self._last_step = 0  # the global step after which no cycle records (inf-like when repeat=0)
         self._snapshot_recording = False
+        self._cuda = False  # whether the engine trains on CUDA (decided at fit start)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -114,8 +117,11 @@ class Profiler(Callback):
             global_step = step + offset
             return base(global_step) if global_step >= 0 else torch.profiler.ProfilerAction.NONE
 
+        # CUDA kernels and memory only when the engine trains on CUDA: a CPU run on a GPU host
+        # leaves CUDA uninitialized (its processes may fork workers afterwards).
+        self._cuda = engine.backend.device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        if self._cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         rank = engine.backend.rank
         self._engine = engine
@@ -167,9 +173,11 @@ class Profiler(Callback):
             self._memory_history(recording)
 
     def _memory_history(self, recording: bool) -> None:
-        if not torch.cuda.is_available():
+        if not self._cuda:
             if recording and not self._snapshot_recording:
-                logger.info("Profiler: memory_snapshot skipped: CUDA is not available (it records CUDA allocations)")
+                logger.info(
+                    "Profiler: memory_snapshot skipped: the engine's device is not CUDA (it records CUDA allocations)"
+                )
                 self._snapshot_recording = True  # say it once per cycle
             elif not recording:
                 self._snapshot_recording = False
@@ -185,7 +193,7 @@ class Profiler(Callback):
 
         def ready(profiler: Any) -> None:
             handler(profiler)
-            if self._snapshot_recording and torch.cuda.is_available() and self.trace_dir is not None:
+            if self._snapshot_recording and self._cuda and self.trace_dir is not None:
                 step = self._engine.state.step if self._engine is not None else profiler.step_num
                 torch.cuda.memory._dump_snapshot(str(self.trace_dir / f"memory_snapshot_step{step}.pickle"))
                 torch.cuda.memory._record_memory_history(enabled=None)
@@ -200,7 +208,7 @@ class Profiler(Callback):
         profiler, self.profiler = self.profiler, None
         if profiler is not None:
             profiler.stop()  # writes a trace cut short by the end of the fit
-        if self._snapshot_recording and torch.cuda.is_available():
+        if self._snapshot_recording and self._cuda:
             torch.cuda.memory._record_memory_history(enabled=None)
         self._snapshot_recording = False
         self._engine = None

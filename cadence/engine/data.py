@@ -30,7 +30,8 @@ class DataConfig:
         shuffle: reshuffle every epoch (seeded); default True for train, False otherwise.
         drop_last: drop the last incomplete batch.
         num_workers: worker processes for loading (0 loads in the main process).
-        pin_memory: pin host memory for faster copies to CUDA.
+        pin_memory: pin host memory, so copies to CUDA are fast and do not block the host;
+            None: pin when the engine's device is CUDA.
         persistent_workers: keep workers alive across epochs.
         prefetch_factor: batches loaded in advance per worker (num_workers > 0 only).
         multiprocessing_context: how workers start: "fork", "spawn" or "forkserver"; None is
@@ -43,7 +44,7 @@ class DataConfig:
     shuffle: bool | None = None
     drop_last: bool = False
     num_workers: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    pin_memory: bool = False
+    pin_memory: bool | None = None
     persistent_workers: bool = False
     prefetch_factor: int | None = None
     multiprocessing_context: str | None = attrs.field(
@@ -59,7 +60,8 @@ class DataSource:
     than one rank it is sharded: training data by a `StatefulDistributedSampler`
     (padded, so every rank runs the same number of steps), evaluation and
     prediction data by an `ExactShardSampler` (each sample on exactly one rank).
-    Anything else is iterated as given; its state is saved when it has
+    Its batches are pinned (`pin_memory`, by default) when they go to CUDA
+    (`pin_memory_device="cuda"`). Anything else is iterated as given; its state is saved when it has
     `state_dict()`. Otherwise (a plain `DataLoader`, a list) the engine
     resumes mid-epoch by replaying the epoch: the random state that decides
     its order (the global RNGs and the generators of the loader and its
@@ -137,6 +139,7 @@ class DataSource:
             # they follow the run's seed too.
             self.generator = torch.Generator()
             kwargs["generator"] = self.generator
+        pin = config.pin_memory if config.pin_memory is not None else pin_device == "cuda"
         with warnings.catch_warnings():
             # torchdata calls a deprecated torch API in every loader's __init__: a warning the
             # user can do nothing about, that would be the first line of every run.
@@ -146,8 +149,8 @@ class DataSource:
                 batch_size=config.batch_size,
                 drop_last=config.drop_last,
                 num_workers=config.num_workers,
-                pin_memory=config.pin_memory,
-                pin_memory_device=pin_device if config.pin_memory else "",
+                pin_memory=pin,
+                pin_memory_device=pin_device if pin else "",
                 **kwargs,
             )
 

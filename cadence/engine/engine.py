@@ -24,6 +24,7 @@ from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gath
 from cadence.engine.events import Event
 from cadence.engine.feed import TrainFeed
 from cadence.engine.metrics import MetricStore, Reduction
+from cadence.engine.placement import Placement
 from cadence.engine.state import State, seed_everything
 
 logger = logging.getLogger("cadence")
@@ -67,7 +68,11 @@ class EngineConfig:
         log_interval: reduce logged metrics and fire on_log every N steps, and
             at the end of a fit that stopped between two multiples of N.
         precision: fp32, bf16 (autocast) or fp16 (autocast with a GradScaler, CUDA only).
-        device: cpu, cuda, cuda:1, mps; None picks the backend's default.
+        device: cpu, cuda (this process's local-rank GPU), cuda:1, mps; None picks the backend's
+            default (see docs/gpus.md).
+        prefetch_to_device: copy each training micro-batch to the device one ahead of its use, on a
+            side stream on CUDA, so the copy overlaps compute (`cadence.engine.placement`); None: on
+            when batches go to a CUDA device.
         backend: backend name (auto, local, ddp, ...); auto picks ddp when WORLD_SIZE > 1.
         seed: seeds python, numpy and torch (plus the rank) and data shuffling; None draws one and records it.
         deterministic: deterministic torch kernels and cuBLAS workspace (slower on GPU; see docs/run-directory.md).
@@ -94,6 +99,7 @@ class EngineConfig:
     log_interval: int = attrs.field(default=50, validator=attrs.validators.ge(1))
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: str | None = None
+    prefetch_to_device: bool | None = None
     backend: str = "auto"
     seed: int | None = None
     deterministic: bool = False
@@ -417,7 +423,10 @@ class Engine:
         eval_steps = self._eval_schedule("steps")  # ((split, every), ...) evaluated mid-epoch
         eval_every = math.gcd(*(every for _, every in eval_steps)) if eval_steps else 0  # a step worth a look
         plan = self.backend.step_plan(self)  # what to call per step; None: nothing (or the plain thing inline)
-        schedule, to_device, sync, backward = plan.schedule, plan.to_device, plan.gradient_sync, plan.backward
+        # Each micro-batch placed as it is used, or copied one ahead (cadence.engine.placement); a schedule places its own.
+        prefetch = self.config.prefetch_to_device if plan.schedule is None else False
+        placement = Placement.choose(plan.to_device, self.backend.device, prefetch)
+        schedule, to_device, sync, backward = plan.schedule, placement.to_device, plan.gradient_sync, plan.backward
         finish, agree = plan.finish_gradients, plan.agree
         # The agreement overlapped with forward and backward: sent after on_step_start,
         # awaited before the optimizer step. Not while a callback requests inside the step.
@@ -425,7 +434,8 @@ class Engine:
         # No agreement at all while no registered callback raises requests and none is pending.
         agreeing = requests.any_pending or self._may_request()
         if plan.agree_finish is not None:  # every rank must take the same way (callbacks may differ by rank)
-            flags = torch.tensor([int(not overlapped), int(agreeing)])
+            # On the backend's device: an NCCL group reduces no CPU tensor.
+            flags = torch.tensor([int(not overlapped), int(agreeing)], device=self.backend.device)
             in_step, agreeing = self.backend.reduce(flags, "max", "optimizer").tolist()
             overlapped = not in_step
             # On several ranks a request raised now could not be agreed: refused, naming it.
@@ -448,7 +458,7 @@ class Engine:
         while state.step < stop_step and state.epoch < stop_epoch and not agreed[stop]:
             if state.batch_in_epoch == 0:
                 fire(Event.ON_EPOCH_START)
-            for micro_batches in feed.steps(source, state, accum):
+            for micro_batches in placement.steps(feed.steps(source, state, accum)):
                 hooks[_ON_STEP_START] and fires[_ON_STEP_START](self)
                 if overlapped:
                     agree_start is None or agree_start(requests)  # skip / stop / save / ...: one small collective

@@ -128,7 +128,8 @@ def check_callback(
         raise_on_failure: raise `ContractError` when a property is broken.
         backend: a function returning a fresh, not yet set up backend for each
             engine (e.g. `lambda: DeepSpeedBackend(zero_stage=2)`), in one
-            process and on every rank; None: local in one process, DDP on ranks.
+            process and on every rank; None: local in one process, DDP on ranks,
+            both on the CPU (`engine_options={"device": ...}` moves the one-process runs).
 
     Returns:
         The `Report` (also when everything passed).

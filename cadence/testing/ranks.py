@@ -109,7 +109,7 @@ def _worker(make: Callable[..., Any], workdir: str, scenario: Scenario, timeout:
             if scenario.backend is not None:
                 backend = counting(scenario.backend(), log)
             else:
-                backend = CountingDDPBackend(log, timeout=timeout)
+                backend = CountingDDPBackend(log, timeout=timeout, device="cpu")
             engine, _, probe = build_engine(
                 make, root, scenario, backend=backend, rank=rank, world_size=world_size, extra=[EventMarker(log)]
             )

@@ -51,7 +51,8 @@ class Scenario:
         log_interval: the engine's log interval (so `on_log` fires).
         engine_options: more `Engine` keyword arguments (config fields, `grad_accum`, ...).
         backend: builds a fresh backend for each engine (one process and every rank
-            of the rank checks); None: the local backend in one process, DDP on ranks.
+            of the rank checks); None: the local backend in one process, DDP (gloo) on
+            ranks, both on the CPU.
     """
 
     steps: int = 3
@@ -181,10 +182,16 @@ def build_engine(
         "run_id": "run",
         "train": {"batch_size": scenario.batch_size // world_size},
         "eval": {"batch_size": 4},
+        "device": "cpu",  # the same on every machine; the rank checks fork gloo workers
     }
     options.update(scenario.engine_options)
     engine = Engine(
-        model, optimizer, dataset(32, seed=1), callbacks=[callback, *extra, probe], backend=backend, **options
+        model,
+        optimizer,
+        dataset(32, seed=1),
+        callbacks=[callback, *extra, probe],
+        backend=backend,
+        **options,
     )
     return engine, callback, probe
 

@@ -183,8 +183,8 @@ def make_backend(options: dict, ft: FTConfig):
     if options.get("backend") == "mesh":
         from cadence.backends.mesh import MeshBackend
 
-        return MeshBackend(ft=ft, shard=options.get("shard", 1), units=["Linear"], timeout=10)
-    return DDPBackend(ft=ft, timeout=10)
+        return MeshBackend(ft=ft, shard=options.get("shard", 1), units=["Linear"], timeout=10, device="cpu")
+    return DDPBackend(ft=ft, timeout=10, device="cpu")
 
 
 def wait_for(condition: dict) -> None:
@@ -271,6 +271,7 @@ def main() -> None:
                 train={"batch_size": options.get("batch_size", 8)},
                 workspace=options.get("workspace", "runs"),
                 run_id=f"replica-{options['replica_id']}",
+                device="cpu",
             ) as engine:
                 if options.get("more_steps"):
                     engine.fit(steps=options["more_steps"])  # counted from the restored step

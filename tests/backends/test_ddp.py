@@ -32,9 +32,10 @@ def engine_on(backend=None, **kwargs):
         torch.optim.SGD(model.parameters(), lr=0.1),
         tiny_dataset(32),
         loss_fn=torch.nn.functional.cross_entropy,
-        backend=backend or DDPBackend(timeout=20),
+        backend=backend or DDPBackend(timeout=20, device="cpu"),
         seed=0,
         **kwargs,
+        device="cpu",
     )
 
 
@@ -285,7 +286,7 @@ def test_user_initialized_group_is_left_alone():
 
 def test_bf16_autocast_on_cpu():
     def check():
-        with engine_on(backend=DDPBackend(precision="bf16", timeout=20)) as engine:
+        with engine_on(backend=DDPBackend(precision="bf16", timeout=20, device="cpu")) as engine:
             dtypes = []
             engine.on(cadence.Event.ON_FORWARD)(lambda e: dtypes.append(e.outputs.dtype))
             engine.fit(steps=2)
@@ -303,11 +304,11 @@ def test_no_process_group_and_no_environment_is_a_clear_error(monkeypatch):
 
 def test_configuration_errors_and_defaults():
     with pytest.raises(ValueError, match=r"checkpoint='zip'.*'file' or 'dcp'"):
-        DDPBackend(checkpoint="zip")
+        DDPBackend(checkpoint="zip", device="cpu")
     with pytest.raises(ValueError, match="precision"):
-        DDPBackend(precision="fp8")
-    assert DDPBackend().timeout == DEFAULT_TIMEOUT == timedelta(seconds=300)
-    assert DDPBackend(timeout=2.5).timeout == timedelta(seconds=2.5)
+        DDPBackend(precision="fp8", device="cpu")
+    assert DDPBackend(device="cpu").timeout == DEFAULT_TIMEOUT == timedelta(seconds=300)
+    assert DDPBackend(timeout=2.5, device="cpu").timeout == timedelta(seconds=2.5)
     config = cadence.EngineConfig(precision="bf16", device="cpu")
     backend = DDPBackend.from_engine_config(config)
     assert (backend.precision_name, backend.requested_device) == ("bf16", "cpu")

@@ -9,6 +9,7 @@ DeepSpeed op is compiled (no shm op, torch optimizers only).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -42,7 +43,7 @@ def ds_backend(stage, timeout=60):
     # ZeRO-3 keeps parameters below a size threshold whole on every rank: 0 partitions all of them,
     # so every forward gathers (the tiny test model would otherwise never do).
     raw = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else {}
-    return DeepSpeedBackend(zero_stage=stage, timeout=timeout, deepspeed=raw)
+    return DeepSpeedBackend(zero_stage=stage, timeout=timeout, deepspeed=raw, device="cpu")
 
 
 def run(fn, *args, nprocs=2):
@@ -144,6 +145,7 @@ def make_engine(backend, batch_size, callbacks=(), precision="fp32", samples=160
         steps=STEPS,
         train={"batch_size": batch_size, "shuffle": False},
         eval={"batch_size": batch_size},
+        device="cpu",
     )
 
 
@@ -328,7 +330,9 @@ def test_zero3_agreed_skip_clipping_ema_and_bitwise_resume(tmp_path):
 def resume_on_one_rank(directory):
     # No group is set up here: the backend makes its own (the launcher's environment, one rank).
     engine = make_engine(
-        DeepSpeedBackend(zero_stage=2, timeout=30), 4, [Checkpoint(dir=directory, resume=directory + "/latest")]
+        DeepSpeedBackend(zero_stage=2, timeout=30, device="cpu"),
+        4,
+        [Checkpoint(dir=directory, resume=directory + "/latest")],
     )
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     try:
@@ -440,7 +444,7 @@ def test_engine_reports_a_conflict_before_joining_a_group():
         cadence.Engine(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            backend=DeepSpeedBackend(deepspeed={"gradient_accumulation_steps": 8}),
+            backend=DeepSpeedBackend(deepspeed={"gradient_accumulation_steps": 8}, device="cpu"),
             grad_accum=2,
         )
     assert not torch.distributed.is_initialized()
@@ -450,14 +454,16 @@ def test_engine_reports_a_conflict_before_joining_a_group():
 def test_fp16_without_cuda_fails_before_anything_starts():
     model = tiny_model()
     with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
-        DeepSpeedBackend(precision="fp16")
+        DeepSpeedBackend(precision="fp16", device="cpu")
     with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
-        cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="deepspeed", precision="fp16")
+        cadence.Engine(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), backend="deepspeed", precision="fp16", device="cpu"
+        )
     with pytest.raises(ValueError, match=r"fp16.enabled: DeepSpeed config True"):
         cadence.Engine(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            backend=DeepSpeedBackend(deepspeed={"fp16": {"enabled": True}}),
+            backend=DeepSpeedBackend(deepspeed={"fp16": {"enabled": True}}, device="cpu"),
         )
     assert not torch.distributed.is_initialized()
 
@@ -472,7 +478,7 @@ def test_missing_deepspeed_names_the_extra():
         assert "deepspeed" in cadence.engine.registry.backends.names()
         model = torch.nn.Linear(2, 1)
         try:
-            cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="deepspeed")
+            cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="deepspeed", device="cpu")
         except ImportError as exc:
             print(exc)
         """
@@ -525,7 +531,7 @@ def test_one_process_without_a_launcher_leaves_nothing_behind():
         linear = torch.nn.functional.linear
         model = tiny_model()
         with cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(16),
-                            loss_fn=torch.nn.functional.cross_entropy, backend=DeepSpeedBackend(zero_stage=3),
+                            loss_fn=torch.nn.functional.cross_entropy, backend=DeepSpeedBackend(zero_stage=3, device="cpu"),
                             seed=0) as engine:
             engine.fit(steps=1)
             during = os.environ.get("WORLD_SIZE")
@@ -538,3 +544,44 @@ def test_one_process_without_a_launcher_leaves_nothing_behind():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=110)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT")), done.stdout + done.stderr)
     assert line.startswith("RESULT 1 True True"), line
+
+
+# -- on a GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_zero2_bf16_on_one_gpu_trains(tmp_path):
+    """DeepSpeed's CUDA accelerator, ZeRO-2 in bf16 with a torch optimizer, one process without a launcher.
+
+    In its own interpreter: this test process chose DeepSpeed's CPU accelerator when it imported it.
+    """
+    script = textwrap.dedent(
+        """
+        import json, torch, cadence
+        from cadence.backends.deepspeed import DeepSpeedBackend
+        from tests.conftest import tiny_dataset, tiny_model
+        model = tiny_model()
+        losses = []
+        with cadence.Engine(model, torch.optim.AdamW(model.parameters(), lr=0.02), tiny_dataset(128),
+                            loss_fn=torch.nn.functional.cross_entropy, seed=0, grad_accum=2,
+                            backend=DeepSpeedBackend(zero_stage=2, precision="bf16", device="cuda"),
+                            train={"batch_size": 8}) as engine:
+            engine.on(cadence.Event.ON_FORWARD)(lambda e: losses.append(float(e.loss)))
+            engine.fit(steps=8)
+            weights = engine.backend.model_state_dict(engine)
+            print("RESULT", json.dumps([str(engine.backend.device), torch.distributed.get_backend(),
+                  engine.state.skipped_steps, sorted({str(w.device) for w in weights.values()}),
+                  sorted({str(w.dtype) for w in weights.values()}), losses[0], sum(losses[-4:]) / 4]))
+        """
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cuda", "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    device, group, skipped, devices, dtypes, first, last = json.loads(line.split(" ", 1)[1])
+    assert (device, group, skipped) == ("cuda:0", "nccl", 0), line
+    assert "cuda:0" in devices and "torch.bfloat16" in dtypes, line
+    assert last < first, line

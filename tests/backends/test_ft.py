@@ -111,19 +111,24 @@ def test_ft_config_errors_name_the_input(monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
     with pytest.raises(ValueError, match=r"replica_id=2 is outside 0 \.\. group_size - 1 = 1"):
-        DDPBackend(ft=FTConfig(replica_id=2, group_size=2, lighthouse="http://127.0.0.1:9"))
+        DDPBackend(ft=FTConfig(replica_id=2, group_size=2, lighthouse="http://127.0.0.1:9"), device="cpu")
     with pytest.raises(ValueError, match="lighthouse is not set and TORCHFT_LIGHTHOUSE is not in the environment"):
-        DDPBackend(ft={"replica_id": 0, "group_size": 2})
+        DDPBackend(ft={"replica_id": 0, "group_size": 2}, device="cpu")
     with pytest.raises(ValueError, match="replica_id is not set and REPLICA_GROUP_ID"):
-        DDPBackend(ft={"group_size": 2, "lighthouse": "http://127.0.0.1:9"})
+        DDPBackend(ft={"group_size": 2, "lighthouse": "http://127.0.0.1:9"}, device="cpu")
     with pytest.raises(ValueError, match="min_replica_size=3 is more than group_size=2"):
-        DDPBackend(ft={"replica_id": 0, "group_size": 2, "min_replica_size": 3, "lighthouse": "http://127.0.0.1:9"})
+        DDPBackend(
+            ft={"replica_id": 0, "group_size": 2, "min_replica_size": 3, "lighthouse": "http://127.0.0.1:9"},
+            device="cpu",
+        )
     with pytest.raises(ValueError, match=r"ft \(TorchFT fault tolerance\) with precision='fp16' is not supported"):
-        DDPBackend(precision="fp16", ft={"replica_id": 0, "group_size": 1, "lighthouse": "http://127.0.0.1:9"})
+        DDPBackend(
+            precision="fp16", ft={"replica_id": 0, "group_size": 1, "lighthouse": "http://127.0.0.1:9"}, device="cpu"
+        )
     monkeypatch.setenv("REPLICA_GROUP_ID", "1")
     monkeypatch.setenv("NUM_REPLICA_GROUPS", "3")
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
-    backend = DDPBackend(ft={})
+    backend = DDPBackend(ft={}, device="cpu")
     assert (backend.ft.replica_id, backend.ft.group_size, backend.ft.config.lighthouse) == (
         1,
         3,
@@ -150,9 +155,13 @@ def test_the_state_a_peer_heals_from_copies_buffers_and_aliases_parameters():
 
 def _two_processes_per_group():
     model = tiny_model()
-    backend = DDPBackend(timeout=20, ft={"replica_id": 0, "group_size": 2, "lighthouse": "http://127.0.0.1:9"})
+    backend = DDPBackend(
+        timeout=20, ft={"replica_id": 0, "group_size": 2, "lighthouse": "http://127.0.0.1:9"}, device="cpu"
+    )
     try:
-        cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(16), backend=backend)
+        cadence.Engine(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(16), backend=backend, device="cpu"
+        )
     except ValueError as exc:
         return str(exc), backend.ft.manager is None
     finally:
@@ -173,12 +182,14 @@ def test_mesh_axes_and_deepspeed_with_ft_are_refused():
     ft = {"replica_id": 0, "group_size": 2, "lighthouse": "http://127.0.0.1:9"}
     for axis in ("tensor", "pipeline", "context", "expert"):
         with pytest.raises(ValueError, match=rf"ft \(TorchFT fault tolerance\) with the mesh axes \{{'{axis}': 2\}}"):
-            MeshBackend(ft=ft, **{axis: 2})
-    assert MeshBackend(ft=ft, shard=2, replicate=2).ft.replica_id == 0  # the data axes are FSDP2/HSDP in a group
+            MeshBackend(ft=ft, **{axis: 2}, device="cpu")
+    assert (
+        MeshBackend(ft=ft, shard=2, replicate=2, device="cpu").ft.replica_id == 0
+    )  # the data axes are FSDP2/HSDP in a group
     with pytest.raises(ValueError, match="with the deepspeed backend is not supported: DeepSpeed runs its own"):
-        DeepSpeedBackend(ft=ft, zero_stage=2)
+        DeepSpeedBackend(ft=ft, zero_stage=2, device="cpu")
     with pytest.raises(ValueError, match=r"with checkpoint='dcp' is not supported"):
-        DDPBackend(checkpoint="dcp", ft=ft)
+        DDPBackend(checkpoint="dcp", ft=ft, device="cpu")
 
 
 # -- the non-slow scenarios, run concurrently ----------------------------------------------------

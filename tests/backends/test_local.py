@@ -26,6 +26,7 @@ def make(backend=None, grad_accum=2, lr=0.1, engine_class=cadence.Engine, **kwar
         grad_accum=grad_accum,
         seed=0,
         **kwargs,
+        device="cpu",
     )
 
 
@@ -143,7 +144,9 @@ def test_a_backend_that_overrides_the_optimizer_step_keeps_it():
     assert backend.calls == 4 and engine.state.step == 4
     several = tiny_model()
     optimizers = [torch.optim.SGD([p], lr=0.1) for p in several.parameters()]
-    engine = cadence.Engine(several, optimizers, tiny_batches(4), loss_fn=F.cross_entropy, seed=0, backend="local")
+    engine = cadence.Engine(
+        several, optimizers, tiny_batches(4), loss_fn=F.cross_entropy, seed=0, backend="local", device="cpu"
+    )
     before = [p.detach().clone() for p in several.parameters()]
     engine.fit(steps=1)  # several optimizers: the backend's loop steps each
     assert all(not torch.equal(a, b) for a, b in zip(before, several.parameters()))
@@ -253,6 +256,7 @@ def train_through_a_nan(backend):
         backend=backend,
         callbacks=[NonFiniteSkip()],  # under a scaler it checks the loss only
         seed=0,
+        device="cpu",
     )
     engine.fit(steps=4)
     assert engine.state.step == 4 and engine.state.skipped_steps == 1
@@ -275,7 +279,7 @@ def test_non_finite_skip_under_a_scaler_backs_the_scale_off_and_keeps_training()
     assert engine.backend.scaler.get_scale() == 512.0  # one back-off, as a GradScaler's own skip
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast with a GradScaler needs a CUDA device")
+@pytest.mark.cuda  # fp16 autocast with a GradScaler needs a CUDA device
 def test_fp16_on_cuda_trains_through_a_non_finite_step():
     engine = train_through_a_nan(LocalBackend(device="cuda", precision="fp16"))
     assert engine.backend.scaler.get_scale() < 2.0**16  # the scaler's default start, backed off

@@ -34,6 +34,7 @@ def train(backend, steps: int = 4, model: torch.nn.Module | None = None, callbac
         callbacks=callbacks,
         seed=0,
         train={"batch_size": batch_size, "shuffle": False},
+        device="cpu",
     )
     engine.fit(steps=steps)
     return engine
@@ -45,8 +46,8 @@ def train(backend, steps: int = 4, model: torch.nn.Module | None = None, callbac
     ids=["every-block", "every-2nd-block", "selective"],
 )
 def test_activation_checkpointing_trains_like_no_checkpointing(checkpointing):
-    plain = train(LocalBackend())
-    engine = train(LocalBackend(activation_checkpointing=checkpointing))
+    plain = train(LocalBackend(device="cpu"))
+    engine = train(LocalBackend(activation_checkpointing=checkpointing, device="cpu"))
     assert torch.equal(flat(engine.model), flat(plain.model))
     marked = [getattr(b, "_cadence_checkpointed", False) for b in engine.model.blocks]
     assert marked == ([False, True] if checkpointing.get("every") == 2 else [True, True])
@@ -54,7 +55,9 @@ def test_activation_checkpointing_trains_like_no_checkpointing(checkpointing):
 
 
 def ddp_with_transforms() -> tuple[torch.Tensor, list[bool]]:
-    backend = DDPBackend(activation_checkpointing={"mode": "selective"}, compile={"enabled": True, "backend": "eager"})
+    backend = DDPBackend(
+        activation_checkpointing={"mode": "selective"}, compile={"enabled": True, "backend": "eager"}, device="cpu"
+    )
     with train(backend, batch_size=4) as engine:
         marks = [b._cadence_checkpointed and b._cadence_compiled for b in engine.model.blocks]
         return flat(engine.model), marks
@@ -64,7 +67,7 @@ def ddp_with_transforms() -> tuple[torch.Tensor, list[bool]]:
 def test_ddp_checkpoints_and_compiles_blocks_before_wrapping():
     params, marks = launch(ddp_with_transforms, nprocs=2, start_method="fork", timeout=140)
     assert marks == [True, True]
-    torch.testing.assert_close(params, flat(train(LocalBackend(), batch_size=8).model), rtol=0, atol=1e-6)
+    torch.testing.assert_close(params, flat(train(LocalBackend(device="cpu"), batch_size=8).model), rtol=0, atol=1e-6)
 
 
 def test_activation_checkpointing_recomputes_in_backward():
@@ -84,9 +87,9 @@ def test_units_come_from_the_model_class_names_or_a_function():
     with pytest.raises(ValueError, match=r"no module of class \['Blok'\].*Block"):
         find_units(model, ["Blok"])
     with pytest.raises(ValueError, match="needs the model's blocks"):
-        LocalBackend(activation_checkpointing={"mode": "full"}).setup(_Holder(torch.nn.Linear(2, 2)))
+        LocalBackend(activation_checkpointing={"mode": "full"}, device="cpu").setup(_Holder(torch.nn.Linear(2, 2)))
     with pytest.raises(cadence.ConfigError, match="activation_checkpointing"):
-        LocalBackend(activation_checkpointing={"mode": "sometimes"})
+        LocalBackend(activation_checkpointing={"mode": "sometimes"}, device="cpu")
     assert isinstance(model.blocks[0], Block)
 
 
@@ -105,7 +108,10 @@ def test_compiled_model_resumes_bitwise_and_its_checkpoint_loads_into_an_uncompi
     first = tmp_path / "first"
     # 3 steps, saved at the end of that fit, then 3 more: the uninterrupted run. A fresh engine resumes at 3.
     whole = train(
-        LocalBackend(**compiled), steps=3, model=tiny_model(seed=0), callbacks=[Checkpoint(dir=str(first), interval=0)]
+        LocalBackend(**{"device": "cpu", **compiled}),
+        steps=3,
+        model=tiny_model(seed=0),
+        callbacks=[Checkpoint(dir=str(first), interval=0)],
     )
     assert whole.model._cadence_compiled
     part = flat(whole.model)
@@ -113,7 +119,7 @@ def test_compiled_model_resumes_bitwise_and_its_checkpoint_loads_into_an_uncompi
     whole.fit(steps=3)
     whole.close()
     resumed = train(
-        LocalBackend(**compiled),
+        LocalBackend(**{"device": "cpu", **compiled}),
         steps=3,
         model=tiny_model(seed=1),
         callbacks=[Checkpoint(resume=str(tmp_path / "at-3"), dir=str(tmp_path / "second"), interval=0)],
@@ -125,20 +131,22 @@ def test_compiled_model_resumes_bitwise_and_its_checkpoint_loads_into_an_uncompi
     assert not any("_orig_mod" in k for k in plain.state_dict())
     loaded = cadence.Engine.from_checkpoint(
         tmp_path / "at-3", plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), tiny_dataset(64),
-        loss_fn=F.cross_entropy, backend=LocalBackend(), seed=0, train={"batch_size": 8, "shuffle": False},
+        loss_fn=F.cross_entropy, backend=LocalBackend(device="cpu"), seed=0, train={"batch_size": 8, "shuffle": False},
         callbacks=[Checkpoint(interval=0, save_on_fit_end=False)],
     )  # fmt: skip
     assert loaded.state.step == 3 and torch.equal(flat(plain), part)
     # ... and a model the user compiled with torch.compile(model) saves plain keys, and loads them back.
     user = torch.compile(Net(seed=2), backend="eager")
-    engine = train(LocalBackend(), steps=1, model=user, callbacks=[Checkpoint(dir=str(tmp_path / "third"), interval=0)])
+    engine = train(
+        LocalBackend(device="cpu"), steps=1, model=user, callbacks=[Checkpoint(dir=str(tmp_path / "third"), interval=0)]
+    )
     assert engine.model is user._orig_mod and engine.wrapped_model is user
     assert list(engine.backend.model_state_dict(engine)) == list(Net().state_dict())
     engine.close()
     back = torch.compile(Net(seed=3), backend="eager")
     again = cadence.Engine.from_checkpoint(
         tmp_path / "third", back, torch.optim.AdamW(back.parameters(), lr=1e-2), tiny_dataset(64),
-        loss_fn=F.cross_entropy, backend=LocalBackend(), seed=0, train={"batch_size": 8, "shuffle": False},
+        loss_fn=F.cross_entropy, backend=LocalBackend(device="cpu"), seed=0, train={"batch_size": 8, "shuffle": False},
         callbacks=[Checkpoint(interval=0, save_on_fit_end=False)],
     )  # fmt: skip
     assert torch.equal(flat(again.model), flat(engine.model))

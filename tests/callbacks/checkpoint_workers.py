@@ -72,6 +72,7 @@ def build(
         seed=11,
         grad_accum=2,
         backend=backend,
+        device="cpu",
         log_interval=1000,
         train=cadence.DataConfig(batch_size=8, num_workers=workers),
         **budget,
@@ -177,6 +178,7 @@ def plain_run(
             model, optimizer, plain_loader(kind, workers, rank=rank, world=world),
             loss_fn=torch.nn.functional.mse_loss, callbacks=[recorder, checkpoint], seed=11, grad_accum=2,
             steps=PLAIN_STEPS, log_interval=1000, backend=backend,
+            device="cpu",
         )  # fmt: skip
         if stop is not None:
             engine.on(cadence.Event.ON_BEFORE_OPTIMIZER_STEP, once=stop)(lambda e: e.request_stop("test"))
@@ -245,7 +247,7 @@ def save_loop(directory: str, async_mode: str) -> None:
     checkpoint = Checkpoint(dir=directory, interval=3, keep_latest_k=2, async_mode=async_mode, auto_resume=True)
     engine = cadence.Engine(
         model, torch.optim.AdamW(model.parameters()), data, loss_fn=torch.nn.functional.mse_loss,
-        callbacks=[SetParameters(), checkpoint], seed=0, log_interval=10**6,
+        callbacks=[SetParameters(), checkpoint], seed=0, log_interval=10**6, device="cpu",
     )  # fmt: skip
     engine.on(cadence.Event.ON_BEFORE_OPTIMIZER_STEP)(lambda e: e.request_save("every step"))
     Path(directory, "started").touch()

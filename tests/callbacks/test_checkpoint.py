@@ -77,7 +77,7 @@ def make(directory: Path | None = None, *, model=None, callbacks=(), eval_data=F
         tiny_dataset(),
         eval_data=tiny_dataset(32, seed=5) if eval_data else None,
         callbacks=[*callbacks, *([ckpt] if ckpt else [])],
-        **engine_kwargs,
+        **{"device": "cpu", **engine_kwargs},
     )
     return engine, ckpt
 
@@ -379,6 +379,7 @@ def test_from_checkpoint_restores_once(tmp_path: Path) -> None:
         seed=0,
         train=cadence.DataConfig(batch_size=8),
         callbacks=[events, Checkpoint(dir=str(tmp_path / "a"), auto_resume=True)],
+        device="cpu",
     )
     assert engine.state.step == 3 and events.loads == [3]
     engine.fit(steps=1)

@@ -45,6 +45,7 @@ def controlled_engine():
     return cadence.Engine(
         model, optimizer, tiny_batches(6), eval_data=tiny_batches(2, seed=3), loss_fn=F.cross_entropy,
         callbacks=callbacks, seed=0,
+        device="cpu",
     )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ def scripted_engine(scores, callbacks, **kwargs):
 
     engine = cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(2), eval_data=tiny_batches(1),
-        loss_fn=F.cross_entropy, eval_fn=eval_fn, callbacks=callbacks, seed=0, **kwargs,
+        loss_fn=F.cross_entropy, eval_fn=eval_fn, callbacks=callbacks, seed=0, **{"device": "cpu", **kwargs},
     )  # fmt: skip
     holder["engine"] = engine
     return engine
@@ -107,6 +107,7 @@ def two_ranks_one_stopper(out):
     with cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_dataset(64), eval_data=tiny_dataset(16, seed=4),
         loss_fn=F.cross_entropy, callbacks=callbacks, backend="ddp", seed=0, train={"batch_size": 8},
+        device="cpu",
     ) as engine:  # fmt: skip
         engine.fit(epochs=8)
         Path(out, f"rank-{rank}.json").write_text(json.dumps({"epoch": engine.state.epoch, "step": engine.state.step}))

@@ -18,7 +18,7 @@ def engine_with(ema, steps_data=8, **kwargs):
     model = tiny_model()
     return cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.3), tiny_batches(steps_data), loss_fn=F.cross_entropy,
-        callbacks=[ema], seed=0, **kwargs,
+        callbacks=[ema], seed=0, **{"device": "cpu", **kwargs},
     )  # fmt: skip
 
 

@@ -42,7 +42,7 @@ def engine_with(callback, batches=12, **kwargs):
     model = tiny_model()
     return cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(batches), loss_fn=F.cross_entropy,
-        callbacks=[callback], seed=0, **kwargs,
+        callbacks=[callback], seed=0, **{"device": "cpu", **kwargs},
     )  # fmt: skip
 
 
@@ -106,6 +106,7 @@ def two_ranks(out):
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(96), loss_fn=F.cross_entropy,
         callbacks=[GarbageCollection(interval=4, collect_at_start=False)], backend="ddp", seed=0,
         train={"batch_size": 4},
+        device="cpu",
     ) as engine:  # fmt: skip
         with Collections(engine) as collections:
             engine.fit(steps=12)

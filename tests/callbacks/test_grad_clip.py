@@ -30,7 +30,7 @@ def engine_with(clip, *extra, **kwargs):
     model = tiny_model()
     return cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.5), tiny_batches(6), loss_fn=F.cross_entropy,
-        callbacks=[clip, *extra], seed=0, **kwargs,
+        callbacks=[clip, *extra], seed=0, **{"device": "cpu", **kwargs},
     )  # fmt: skip
 
 

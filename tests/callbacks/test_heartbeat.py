@@ -35,6 +35,7 @@ def local_engine(heartbeat, batches=6):
     return cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(batches), loss_fn=F.cross_entropy,
         callbacks=[heartbeat], seed=0,
+        device="cpu",
     )  # fmt: skip
 
 
@@ -119,6 +120,7 @@ def two_ranks_rank1_stalls(out):
     with cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_dataset(64), loss_fn=F.cross_entropy,
         callbacks=[heartbeat], backend="ddp", seed=0, train={"batch_size": 4},
+        device="cpu",
     ) as engine:  # fmt: skip
         began = {}
 
@@ -178,6 +180,7 @@ def rank1_hangs(out, how, later):
     with cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_dataset(64), loss_fn=F.cross_entropy,
         callbacks=[heartbeat], backend="ddp", seed=0, train={"batch_size": 4},
+        device="cpu",
     ) as engine:  # fmt: skip
         side = torch.distributed.new_group(backend="gloo")
         began = {}

@@ -31,7 +31,7 @@ def make_engine(callbacks, **kwargs):
         loss_fn=F.cross_entropy,
         callbacks=callbacks,
         seed=0,
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 
@@ -139,7 +139,7 @@ def test_first_open_drops_a_previous_attempts_lines_and_a_torn_line(tmp_path):
 
 
 def test_nothing_written_on_other_ranks(tmp_path):
-    backend = LocalBackend()
+    backend = LocalBackend(device="cpu")
     backend.rank = 1
     engine = make_engine([TrainMetrics(), JSONL(path=str(tmp_path / "m.jsonl"))], backend=backend)
     engine.fit(steps=4)
@@ -168,6 +168,7 @@ def ddp_eval(workspace):
         seed=0,
         workspace=workspace,
         run_id="ddp",
+        device="cpu",
     )
     with engine:
         results = engine.evaluate()
@@ -210,6 +211,7 @@ def ddp_train_between_intervals(workspace):
         log_interval=2,
         workspace=workspace,
         run_id="ddp-train",
+        device="cpu",
     )
     losses = []
     engine.on(cadence.Event.ON_STEP_END)(lambda e: losses.append(e.loss.item()))

@@ -36,6 +36,7 @@ def make_engine(backend="local", grad_accum=1, **kwargs):
         grad_accum=grad_accum,
         train={"batch_size": 4},
         **kwargs,
+        device="cpu",
     )
     engine.on(cadence.Event.ON_FORWARD)(count_correct)
     return engine
@@ -77,6 +78,7 @@ def test_a_training_metric_that_raises_names_itself_and_the_step():
     engine = cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(32), loss_fn=F.cross_entropy,
         train_metrics={"bad": Bad()}, seed=0,
+        device="cpu",
     )  # fmt: skip
     with pytest.raises(
         cadence.HookError, match=r"metric .bad. \(Bad\) failed in update\(\) while training at step 0: "

@@ -30,7 +30,7 @@ def make_engine(callbacks, *, data=None, log_interval=3, **kwargs):
         callbacks=callbacks,
         log_interval=log_interval,
         seed=0,
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 
@@ -198,6 +198,7 @@ def test_learning_rate_per_param_group_and_optimizer():
         callbacks=[TrainMetrics()],
         log_interval=2,
         seed=0,
+        device="cpu",
     )
     logs = record_logs(engine)
     engine.fit(steps=2)
@@ -215,6 +216,7 @@ def test_learning_rate_follows_the_scheduler():
     engine = cadence.Engine(
         model, optimizer, tiny_batches(4), loss_fn=F.cross_entropy, scheduler=scheduler,
         callbacks=[TrainMetrics()], log_interval=2, seed=0,
+        device="cpu",
     )  # fmt: skip
     logs = record_logs(engine)
     engine.fit(steps=4)
@@ -358,7 +360,7 @@ def test_store_collectors_log_right_before_a_reduction_and_can_be_removed():
     store.log("n", 1.0, "sum")
     store.collect()
     assert calls == ["first", "second"]
-    assert store.compute(LocalBackend()) == {"n": 3.0}
+    assert store.compute(LocalBackend(device="cpu")) == {"n": 3.0}
     first.remove()
     first.remove()  # removing twice is not an error
     store.collect()
@@ -379,7 +381,7 @@ def test_store_reductions_tensors_and_numbers_exact():
         store.log("l", value, "last")
     store.declare("never")
     assert "a" in store and "never" not in store and "other" not in store
-    result = store.compute(LocalBackend())
+    result = store.compute(LocalBackend(device="cpu"))
     assert result["a"] == (1.0 + 0.1 * 3 + 2.0 * 2) / 6
     assert (result["s"], result["mx"], result["mn"], result["l"]) == (12.0, 5.0, 3.0, 4.0)
     assert math.isnan(result["never"])
@@ -392,7 +394,7 @@ def test_store_one_weighted_value_on_one_rank_is_logged_as_it_is():
     store.log("zero", 2.0, weight=0.0)
     store.log("two", 0.1, weight=3.0)
     store.log("two", 0.1, weight=3.0)
-    result = store.compute(LocalBackend())
+    result = store.compute(LocalBackend(device="cpu"))
     assert result["loss"] == 0.1 and math.isnan(result["zero"]) and result["two"] == pytest.approx(0.1, rel=1e-15)
 
 
@@ -400,8 +402,8 @@ def test_store_errors_name_the_metric():
     store = MetricStore()
     store.log("vec", torch.ones(3))
     with pytest.raises(ValueError, match=r"metric 'vec'.*shape \(3,\)"):
-        store.compute(LocalBackend())
+        store.compute(LocalBackend(device="cpu"))
     store = MetricStore()
     store.log("text", "high")
     with pytest.raises(TypeError, match=r"metric 'text'.*str"):
-        store.compute(LocalBackend())
+        store.compute(LocalBackend(device="cpu"))

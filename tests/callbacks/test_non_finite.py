@@ -54,7 +54,7 @@ def local_engine(callbacks, batches=8, **kwargs):
     model = tiny_model()
     return cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), tiny_batches(batches),
-        loss_fn=F.cross_entropy, callbacks=callbacks, seed=0, **kwargs,
+        loss_fn=F.cross_entropy, callbacks=callbacks, seed=0, **{"device": "cpu", **kwargs},
     )  # fmt: skip
 
 
@@ -116,6 +116,7 @@ def ddp_engine(callbacks):
         model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), tiny_dataset(200),
         loss_fn=F.cross_entropy, callbacks=callbacks, backend="ddp", seed=0, log_interval=1000,
         train={"batch_size": 4, "shuffle": False},
+        device="cpu",
     )  # fmt: skip
 
 

@@ -29,7 +29,9 @@ class Pair(torch.nn.Module):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_shards_are_read_back_in_dataset_order(tmp_path, shuffle):
     writer = PredictionWriter(dir=str(tmp_path / "p"), batches_per_file=2)
-    engine = cadence.Engine(Pair(), callbacks=[writer], seed=0, predict={"batch_size": 3, "shuffle": shuffle})
+    engine = cadence.Engine(
+        Pair(), callbacks=[writer], seed=0, predict={"batch_size": 3, "shuffle": shuffle}, device="cpu"
+    )
     engine.predict(Index())
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["rank00000-00000.pt", "rank00000-00001.pt"]
     scaled, index = read_predictions(tmp_path / "p")
@@ -40,7 +42,7 @@ def test_shards_are_read_back_in_dataset_order(tmp_path, shuffle):
 
 def test_a_new_predict_replaces_the_ranks_old_shards(tmp_path):
     writer = PredictionWriter(dir=str(tmp_path), batches_per_file=1)
-    engine = cadence.Engine(Pair(), callbacks=[writer], seed=0, predict={"batch_size": 5})
+    engine = cadence.Engine(Pair(), callbacks=[writer], seed=0, predict={"batch_size": 5}, device="cpu")
     engine.predict(Index())
     engine.predict(torch.utils.data.Subset(Index(), range(4)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank00000-00000.pt"]
@@ -49,7 +51,7 @@ def test_a_new_predict_replaces_the_ranks_old_shards(tmp_path):
 
 def test_the_default_folder_is_in_the_run_directory(tmp_path):
     writer = PredictionWriter()
-    engine = cadence.Engine(Pair(), callbacks=[writer], seed=0, workspace=str(tmp_path))
+    engine = cadence.Engine(Pair(), callbacks=[writer], seed=0, workspace=str(tmp_path), device="cpu")
     engine.predict(Index())
     assert writer.directory == engine.run_dir / "predictions"
     assert len(read_predictions(writer.directory)[0]) == 10

@@ -29,6 +29,7 @@ def local_engine(callbacks, batches=10):
     return cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(batches), loss_fn=F.cross_entropy,
         callbacks=callbacks, seed=0,
+        device="cpu",
     )  # fmt: skip
 
 
@@ -152,6 +153,7 @@ def two_ranks_sigterm_on_rank0(out, signal_step):
     engine = cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_dataset(400), loss_fn=F.cross_entropy,
         callbacks=[checkpoint, Preemption()], backend="ddp", seed=0, train={"batch_size": 4},
+        device="cpu",
     )  # fmt: skip
     engine.on(Event.ON_SAVE)(lambda e: saves.append(e.state.step))
     if rank == 0:

@@ -26,7 +26,7 @@ def make_engine(callbacks, **kwargs):
         callbacks=callbacks,
         seed=0,
         log_interval=2,
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 
@@ -112,11 +112,23 @@ def test_memory_snapshot_skipped_on_cpu_with_a_reason(tmp_path, caplog):
     engine = make_engine([profiler])
     with caplog.at_level(logging.INFO, logger="cadence"):
         engine.fit(steps=3)
-    if torch.cuda.is_available():  # pragma: no cover - CPU machines
-        assert list(tmp_path.glob("memory_snapshot_step*.pickle"))
-    else:
-        assert "memory_snapshot skipped: CUDA is not available" in caplog.text
-        assert not list(tmp_path.glob("*.pickle"))
+    assert "memory_snapshot skipped: the engine's device is not CUDA" in caplog.text
+    assert not list(tmp_path.glob("*.pickle"))
+    assert len(profiler.traces()) == 1
+
+
+@pytest.mark.cuda
+def test_memory_snapshot_on_cuda_is_written_into_the_run_directory():
+    import pickle
+
+    profiler = Profiler(wait=0, warmup=1, active=2, memory_snapshot=True)
+    engine = make_engine([profiler], device="cuda")
+    engine.fit(steps=4)
+    snapshots = sorted((engine.run_dir / "profiler").glob("memory_snapshot_step*.pickle"))
+    assert [path.name for path in snapshots] == ["memory_snapshot_step3.pickle"]  # the cycle's last step
+    with snapshots[0].open("rb") as file:
+        snapshot = pickle.load(file)
+    assert snapshot["segments"] and snapshot["device_traces"]  # the allocator's state and its recorded history
     assert len(profiler.traces()) == 1
 
 

@@ -30,7 +30,7 @@ def make_engine(callbacks, *, data=None, **kwargs):
         loss_fn=F.cross_entropy,
         callbacks=callbacks,
         seed=0,
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 
@@ -142,7 +142,7 @@ def test_lines_are_throttled_but_evaluations_and_the_last_state_are_written():
 
 def test_nothing_on_other_ranks():
     out = io.StringIO()
-    backend = LocalBackend()
+    backend = LocalBackend(device="cpu")
     backend.rank = 1  # a non-main process (collectives stay local)
     engine = make_engine([TrainMetrics(), ProgressBar(mode="bar", stream=out)], backend=backend)
     engine.fit(steps=4)

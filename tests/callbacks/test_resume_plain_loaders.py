@@ -92,7 +92,7 @@ def test_persistent_workers_warn_at_setup_naming_the_fix(caplog: pytest.LogCaptu
     loader = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=1, persistent_workers=True)
     model = torch.nn.Linear(6, 1)
     with caplog.at_level(logging.WARNING, logger="cadence"):
-        engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, seed=0)
+        engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, seed=0, device="cpu")
     engine.close()
     messages = [r.getMessage() for r in caplog.records if "persistent_workers" in r.getMessage()]
     assert len(messages) == 1, [r.getMessage() for r in caplog.records]
@@ -111,6 +111,7 @@ def test_a_position_saved_for_another_kind_of_train_data_is_refused_or_restarts_
         return cadence.Engine(
             model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=torch.nn.functional.mse_loss,
             callbacks=[Checkpoint(dir=str(tmp_path), interval=0, **checkpoint)], seed=0,
+            device="cpu",
         )  # fmt: skip
 
     first = engine(workers.plain_loader("generator", 0))

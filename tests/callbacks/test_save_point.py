@@ -81,7 +81,7 @@ def build(
     engine = cadence.Engine(
         model, optimizer, data, eval_data=tiny_dataset(16, seed=5), eval_fn=eval_fn,
         loss_fn=torch.nn.functional.cross_entropy, callbacks=[*callbacks, events, Checkpoint(**options)],
-        seed=0, log_interval=1000, train=cadence.DataConfig(batch_size=8), **budget,
+        seed=0, log_interval=1000, train=cadence.DataConfig(batch_size=8), **{"device": "cpu", **budget},
     )  # fmt: skip
     holder["engine"] = engine
     return engine, recorder, events

@@ -45,7 +45,7 @@ def test_step_interval_matches_hand_loop_and_engine_registers_it():
     batches = tiny_batches(10)
     model, opt = make()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    engine = cadence.Engine(model, opt, batches, loss_fn=F.cross_entropy, scheduler=sched, seed=0)
+    engine = cadence.Engine(model, opt, batches, loss_fn=F.cross_entropy, scheduler=sched, seed=0, device="cpu")
     assert [type(c).__name__ for c in engine.callbacks] == ["LRScheduler"]
     trace = lr_trace(engine)
     engine.fit(epochs=1)
@@ -67,7 +67,13 @@ def test_epoch_interval_matches_hand_loop():
     model, opt = make()
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
     engine = cadence.Engine(
-        model, opt, batches, loss_fn=F.cross_entropy, seed=0, callbacks=[LRScheduler(sched, interval="epoch")]
+        model,
+        opt,
+        batches,
+        loss_fn=F.cross_entropy,
+        seed=0,
+        callbacks=[LRScheduler(sched, interval="epoch")],
+        device="cpu",
     )
     trace = lr_trace(engine)
     engine.fit(epochs=3)
@@ -90,7 +96,9 @@ def test_eval_interval_reduce_on_plateau_driven_by_monitored_metric():
     model, opt = make(lr=2.0)  # large enough that the validation loss goes up and down
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
     callback = LRScheduler(sched, interval="eval", monitor="val.loss")
-    engine = cadence.Engine(model, opt, batches, eval_data=val, loss_fn=F.cross_entropy, seed=0, callbacks=[callback])
+    engine = cadence.Engine(
+        model, opt, batches, eval_data=val, loss_fn=F.cross_entropy, seed=0, callbacks=[callback], device="cpu"
+    )
     trace = lr_trace(engine, Event.ON_EPOCH_END)
     engine.fit(epochs=6)
 
@@ -110,7 +118,9 @@ def test_eval_interval_ignores_evaluate_outside_fit_and_other_splits():
     model, opt = make()
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
     callback = LRScheduler(sched, interval="eval", monitor="val.loss")
-    engine = cadence.Engine(model, opt, tiny_batches(2), loss_fn=F.cross_entropy, seed=0, callbacks=[callback])
+    engine = cadence.Engine(
+        model, opt, tiny_batches(2), loss_fn=F.cross_entropy, seed=0, callbacks=[callback], device="cpu"
+    )
     for _ in range(4):
         engine.evaluate(tiny_batches(2, seed=4))  # outside fit
     assert sched.num_bad_epochs == 0 and sched.best == float("inf")
@@ -126,6 +136,7 @@ def test_skipped_step_does_not_advance_unless_step_on_skip():
         engine = cadence.Engine(
             model, opt, tiny_batches(4), loss_fn=F.cross_entropy, seed=0,
             callbacks=[NonFiniteSkip(), LRScheduler(sched, step_on_skip=step_on_skip)],
+            device="cpu",
         )  # fmt: skip
         engine.on(Event.ON_FORWARD, once=2)(lambda e: setattr(e, "loss", e.loss * float("nan")))
         trace = lr_trace(engine)
@@ -143,6 +154,7 @@ def test_user_registered_lrscheduler_replaces_the_automatic_one():
     engine = cadence.Engine(
         model, opt, tiny_batches(2), loss_fn=F.cross_entropy, scheduler=sched, seed=0,
         callbacks=[LRScheduler(interval="epoch")],
+        device="cpu",
     )  # fmt: skip
     assert [type(c).__name__ for c in engine.callbacks] == ["LRScheduler"]
     engine.fit(epochs=2)
@@ -152,7 +164,7 @@ def test_user_registered_lrscheduler_replaces_the_automatic_one():
 def test_metric_scheduler_without_monitor_is_an_error_at_fit_start():
     model, opt = make()
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
-    engine = cadence.Engine(model, opt, tiny_batches(2), loss_fn=F.cross_entropy, scheduler=sched, seed=0)
+    engine = cadence.Engine(model, opt, tiny_batches(2), loss_fn=F.cross_entropy, scheduler=sched, seed=0, device="cpu")
     with pytest.raises(cadence.HookError, match=r"monitor='val\.loss'") as info:
         engine.fit(steps=1)
     assert info.value.event is Event.ON_FIT_START and engine.state.step == 0
@@ -164,12 +176,14 @@ def test_missing_monitor_strict_raises_and_lenient_warns(caplog):
     engine = cadence.Engine(
         model, opt, tiny_batches(2), loss_fn=F.cross_entropy, seed=0,
         callbacks=[LRScheduler(sched, interval="epoch", monitor="val.acc")],
+        device="cpu",
     )  # fmt: skip
     with pytest.raises(cadence.HookError, match=r"'val\.acc' is not available"):
         engine.fit(epochs=1)
     engine = cadence.Engine(
         model, opt, tiny_batches(2), loss_fn=F.cross_entropy, seed=0,
         callbacks=[LRScheduler(sched, interval="epoch", monitor="val.acc", strict=False)],
+        device="cpu",
     )  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="cadence.scheduler"):
         engine.fit(epochs=1)
@@ -181,7 +195,9 @@ def test_every_and_config_forms():
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     callback = LRScheduler(sched, config={"interval": "step", "every": 2})
     assert callback.config == LRSchedulerConfig(every=2)
-    engine = cadence.Engine(model, opt, tiny_batches(6), loss_fn=F.cross_entropy, seed=0, callbacks=[callback])
+    engine = cadence.Engine(
+        model, opt, tiny_batches(6), loss_fn=F.cross_entropy, seed=0, callbacks=[callback], device="cpu"
+    )
     engine.fit(steps=6)
     assert opt.param_groups[0]["lr"] == 0.5 * 0.5**3
     with pytest.raises(ConfigError, match="interval"):
@@ -194,7 +210,9 @@ def test_explicit_scheduler_state_round_trips_in_callback_state():
     model, opt = make()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     callback = LRScheduler(sched)
-    engine = cadence.Engine(model, opt, tiny_batches(3), loss_fn=F.cross_entropy, seed=0, callbacks=[callback])
+    engine = cadence.Engine(
+        model, opt, tiny_batches(3), loss_fn=F.cross_entropy, seed=0, callbacks=[callback], device="cpu"
+    )
     engine.fit(steps=3)
     state = callback.state_dict()
     _, opt2 = make()
@@ -220,6 +238,7 @@ def test_scheduler_state_round_trips_through_a_checkpoint_and_resume(tmp_path, e
         engine = cadence.Engine(
             model, opt, tiny_batches(10), loss_fn=F.cross_entropy, seed=0, callbacks=callbacks,
             scheduler=None if explicit else sched, steps=9,
+            device="cpu",
         )  # fmt: skip
         engine.fit(steps=steps)  # None: to the absolute target of 9 steps (a resumed run finishes there)
         return engine, opt, sched

@@ -40,7 +40,7 @@ def make_engine(callbacks, **kwargs):
         callbacks=callbacks,
         seed=0,
         train={"batch_size": 8},
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 

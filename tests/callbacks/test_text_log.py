@@ -29,7 +29,7 @@ def make_engine(callbacks, **kwargs):
         callbacks=callbacks,
         seed=0,
         log_interval=2,
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 
@@ -96,7 +96,7 @@ def test_console_metrics_left_to_the_progress_bar(tmp_path):
 
 
 def test_nothing_on_other_ranks(tmp_path):
-    backend = LocalBackend()
+    backend = LocalBackend(device="cpu")
     backend.rank = 1
     console = io.StringIO()
     text_log = TextLog(console=True, stream=console)

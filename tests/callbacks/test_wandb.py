@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from torch.nn import functional as F
+
+pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install 'cadence[wandb]')")
+
 from wandb.proto import wandb_internal_pb2
 
 import cadence
@@ -95,7 +98,7 @@ def make_engine(callbacks, **kwargs):
         seed=0,
         log_interval=2,
         train={"batch_size": 8},
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 

@@ -189,7 +189,7 @@ def ddp_run(
     directory: str, stop: int | None = None, resume: str = "none", async_mode: str = "disabled"
 ) -> dict[str, Any]:
     """The resume tests' seeded run (tests/callbacks/checkpoint_workers.py) on DDP with the DCP store."""
-    backend = DDPBackend(checkpoint="dcp", timeout=60)
+    backend = DDPBackend(checkpoint="dcp", timeout=60, device="cpu")
     engine, recorder = checkpoint_workers.build(
         directory, workers=0, mode="step", stop=stop, resume=resume, async_mode=async_mode, backend=backend
     )
@@ -214,7 +214,12 @@ def auto_resume_each(directories: list[str]) -> list[tuple[int, str | None]]:
     try:
         for directory in directories:
             engine, _ = checkpoint_workers.build(
-                directory, workers=0, mode="step", stop=None, resume="auto", backend=DDPBackend(checkpoint="dcp")
+                directory,
+                workers=0,
+                mode="step",
+                stop=None,
+                resume="auto",
+                backend=DDPBackend(checkpoint="dcp", device="cpu"),
             )
             try:
                 engine.fit(steps=0)  # setup: the launch modes apply
@@ -248,7 +253,7 @@ def async_many(directory: str, steps: int = 100, every: int = 10) -> dict[int, d
     checkpoint = Checkpoint(dir=directory, interval=every, keep_latest_k=0, async_mode="async")
     engine = cadence.Engine(
         net, torch.optim.AdamW(net.parameters()), data, loss_fn=torch.nn.functional.mse_loss,
-        backend=DDPBackend(checkpoint="dcp", timeout=60), callbacks=[recorder, checkpoint], seed=0,
+        backend=DDPBackend(checkpoint="dcp", timeout=60, device="cpu"), callbacks=[recorder, checkpoint], seed=0,
         log_interval=10**6, train=cadence.DataConfig(batch_size=8), steps=steps,
     )  # fmt: skip
     saved = []
@@ -272,7 +277,7 @@ def save_loop_rank(directory: str, async_mode: str) -> None:
     checkpoint = Checkpoint(dir=directory, interval=3, keep_latest_k=2, async_mode=async_mode, auto_resume=True)
     engine = cadence.Engine(
         net, torch.optim.AdamW(net.parameters()), data, loss_fn=torch.nn.functional.mse_loss,
-        backend=DDPBackend(checkpoint="dcp", timeout=30), callbacks=[checkpoint_workers.SetParameters(), checkpoint],
+        backend=DDPBackend(checkpoint="dcp", timeout=30, device="cpu"), callbacks=[checkpoint_workers.SetParameters(), checkpoint],
         seed=0, log_interval=10**6,
     )  # fmt: skip
     engine.on(cadence.Event.ON_BEFORE_OPTIMIZER_STEP)(lambda e: e.request_save("every step"))

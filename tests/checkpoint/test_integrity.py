@@ -163,6 +163,7 @@ def make(directory: Path, **options) -> cadence.Engine:
         model, torch.optim.AdamW(model.parameters(), lr=0.05), tiny_dataset(inputs=64),
         loss_fn=torch.nn.functional.cross_entropy, seed=0, train={"batch_size": 8},
         callbacks=[Checkpoint(dir=str(directory), **options)],
+        device="cpu",
     )  # fmt: skip
 
 
@@ -188,6 +189,7 @@ def test_resume_refuses_and_auto_resume_falls_back_to_the_previous_complete_chec
         cadence.Engine.from_checkpoint(
             directory / "latest", tiny_model(inputs=64), torch.optim.AdamW(tiny_model(inputs=64).parameters()),
             tiny_dataset(inputs=64), loss_fn=torch.nn.functional.cross_entropy,
+            device="cpu",
         )  # fmt: skip
 
     engine = make(directory, auto_resume=True, save_on_fit_end=False)

@@ -58,6 +58,7 @@ def engine_on(backend, folder, samples=96, **checkpoint):
         train={"batch_size": 4},
         eval={"batch_size": 8},
         eval_every_epochs=None,
+        device="cpu",
     )
 
 
@@ -112,7 +113,7 @@ class MeshReplicaGroup(MeshBackend):
     """Replica group `replica_id` of `groups` on a 2-rank mesh: writes the run's checkpoint at `writes_at`."""
 
     def __init__(self, replica_id: int = 1, groups: int = 2, writes_at: tuple[int, ...] = ()) -> None:
-        super().__init__(shard=2, timeout=60)
+        super().__init__(shard=2, timeout=60, device="cpu")
         self.replica_id, self.groups, self.writes_at = replica_id, groups, writes_at
         self.engine = None
 

@@ -114,7 +114,7 @@ for _method in MAIN_ONLY:
 
 class CollectiveBackend(DDPBackend):
     def __init__(self, **store_options):
-        super().__init__(timeout=30)
+        super().__init__(timeout=30, device="cpu")
         self.store_options = store_options
 
     def checkpoint_store(self, engine):
@@ -127,6 +127,7 @@ def make_engine(backend, *, callbacks=(), shuffle=False, step_fn=None, steps=Non
         model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), indexed_dataset(),
         step_fn=step_fn or SeenSamples(), callbacks=callbacks, seed=0, steps=steps, backend=backend,
         train={"batch_size": 4, "shuffle": shuffle},
+        device="cpu",
     )  # fmt: skip
 
 
@@ -241,10 +242,10 @@ def test_the_train_position_is_kept_over_the_data_domain_and_the_rng_per_rank(tm
         process_group()
         torch.manual_seed(dist.get_rank())  # the ranks' RNG differ (the engine seeds every rank alike)
         uninterrupted = SeenWithDropout()
-        reference = make_engine(OneDataRank(timeout=30), shuffle=True, step_fn=uninterrupted)
+        reference = make_engine(OneDataRank(timeout=30, device="cpu"), shuffle=True, step_fn=uninterrupted)
         reference.fit(steps=10)
         first = make_engine(
-            OneDataRank(timeout=30),
+            OneDataRank(timeout=30, device="cpu"),
             shuffle=True,
             step_fn=SeenWithDropout(),
             callbacks=[Checkpoint(dir=str(directory), interval=0)],
@@ -252,7 +253,9 @@ def test_the_train_position_is_kept_over_the_data_domain_and_the_rng_per_rank(tm
         first.fit(steps=5)  # 5 of the epoch's 16 batches: the position is saved
         seen = SeenWithDropout()
         resume = Checkpoint(dir=str(directory), resume=str(directory / "latest"))
-        second = make_engine(OneDataRank(timeout=30), shuffle=True, step_fn=seen, callbacks=[resume], steps=10)
+        second = make_engine(
+            OneDataRank(timeout=30, device="cpu"), shuffle=True, step_fn=seen, callbacks=[resume], steps=10
+        )
         second.fit()
         payload = FileStore(directory).read("latest", keys=["data", "rng"])
         return every_rank(

@@ -52,6 +52,7 @@ def make_engine(batch_size, *, callbacks=(), shuffle=False, step_fn=None, steps=
         model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), indexed_dataset(),
         step_fn=step_fn or SeenSamples(), callbacks=callbacks, seed=0, steps=steps,
         train={"batch_size": batch_size, "shuffle": shuffle},
+        device="cpu",
     )  # fmt: skip
 
 

@@ -40,6 +40,7 @@ def make_engine(batch_size, *, grad_accum=1, callbacks=(), backend="auto", steps
         grad_accum=grad_accum,
         log_interval=5,
         train={"batch_size": batch_size, "shuffle": False},
+        device="cpu",
     )
 
 
@@ -145,7 +146,9 @@ class RaiseAt(cadence.Callback):
 
 def test_a_rank_raising_at_step_3_is_reported_with_its_traceback():
     def train():
-        with make_engine(4, callbacks=[RaiseAt(rank=1, step=3)], backend=DDPBackend(timeout=20)) as engine:
+        with make_engine(
+            4, callbacks=[RaiseAt(rank=1, step=3)], backend=DDPBackend(timeout=20, device="cpu")
+        ) as engine:
             engine.fit(steps=STEPS)
 
     start = time.monotonic()
@@ -165,7 +168,9 @@ def test_the_other_rank_fails_within_the_collective_timeout(tmp_path):
 
     def train():
         rank = int(os.environ["RANK"])
-        engine = make_engine(4, callbacks=[RaiseAt(rank=1, step=3)], backend=DDPBackend(timeout=collective_timeout))
+        engine = make_engine(
+            4, callbacks=[RaiseAt(rank=1, step=3)], backend=DDPBackend(timeout=collective_timeout, device="cpu")
+        )
         start = time.monotonic()
         try:
             engine.fit(steps=STEPS)

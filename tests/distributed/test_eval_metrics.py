@@ -101,6 +101,7 @@ def make_engine(backend, given=metrics, **kwargs):
         seed=0,
         eval={"batch_size": 4},
         **kwargs,
+        device="cpu",
     )
 
 
@@ -140,7 +141,7 @@ def count_collectives(workdir, metric_sets):
     torch.distributed.init_process_group("gloo")
     with log.patch_torch_distributed():
         for given in metric_sets:
-            engine = make_engine(CountingDDPBackend(log), given)
+            engine = make_engine(CountingDDPBackend(log, device="cpu"), given)
             engine.evaluate()  # the first evaluation forms torchmetrics' compute groups
             before = log.count
             engine.evaluate()
@@ -208,7 +209,12 @@ def predict_on_two_ranks(directory, shuffle):
 
     writer = PredictionWriter(dir=directory, batches_per_file=2)
     with cadence.Engine(
-        index_model(), callbacks=[writer], backend="ddp", seed=0, predict={"batch_size": 4, "shuffle": shuffle}
+        index_model(),
+        callbacks=[writer],
+        backend="ddp",
+        seed=0,
+        predict={"batch_size": 4, "shuffle": shuffle},
+        device="cpu",
     ) as engine:
         mine = engine.predict(Index())
         gathered = engine.predict(Index(), gather=True)
@@ -241,7 +247,7 @@ def gather_mixed():
     from cadence.engine.gather import gather_tensors
 
     rank = int(os.environ["RANK"])
-    with cadence.Engine(torch.nn.Linear(1, 1), backend=DDPBackend(), seed=0) as engine:
+    with cadence.Engine(torch.nn.Linear(1, 1), backend=DDPBackend(device="cpu"), seed=0) as engine:
         mine = [
             torch.arange(3 + rank, dtype=torch.int64),  # unequal lengths
             torch.full((2, 1 + rank), 0.5 + rank, dtype=torch.float16),  # unequal shapes, odd byte counts
@@ -271,7 +277,7 @@ def test_gather_tensors_carries_every_shape_and_dtype():
 def predict_with_an_empty_rank():
     rank = int(os.environ["RANK"])
     batches = [(torch.ones(3, 1),)] if rank == 0 else []
-    with cadence.Engine(index_model(), backend="ddp", seed=0) as engine:
+    with cadence.Engine(index_model(), backend="ddp", seed=0, device="cpu") as engine:
         engine.predict(batches, gather=True)
 
 
@@ -298,6 +304,7 @@ def local_engines_in_a_world():
         metrics={"f1": f1},
         backend="local",
         seed=0,
+        device="cpu",
     ) as engine:
         in_engine = engine.evaluate()["val.f1"]
         inputs, targets = data.tensors

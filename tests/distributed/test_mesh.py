@@ -136,6 +136,7 @@ def make_engine(model, backend, *, batch_size, callbacks=(), steps=STEPS, precis
         precision=precision,
         train={"batch_size": batch_size, "shuffle": False},
         eval={"batch_size": 4},
+        device="cpu",
     )
 
 
@@ -169,7 +170,7 @@ def train_on_mesh(options: dict, workdir: str) -> dict:
     with log.patch_torch_distributed():
         # Each rank builds its model from its own seed: the backend must start them equal.
         with make_engine(
-            Net(seed=rank), MeshBackend(**options, timeout=30), batch_size=2, callbacks=callbacks
+            Net(seed=rank), MeshBackend(**options, timeout=30, device="cpu"), batch_size=2, callbacks=callbacks
         ) as engine:
             log.engine = engine
             engine.fit(steps=STEPS)
@@ -264,7 +265,10 @@ def test_mesh_trains_like_one_process(tmp_path, options, placement):
 def train_tensor_parallel(options: dict, batch_size: int) -> dict:
     rank = int(os.environ["RANK"])
     with make_engine(
-        Net(seed=rank), MeshBackend(**options, timeout=30), batch_size=batch_size, callbacks=[GradClip(max_norm=0.5)]
+        Net(seed=rank),
+        MeshBackend(**options, timeout=30, device="cpu"),
+        batch_size=batch_size,
+        callbacks=[GradClip(max_norm=0.5)],
     ) as engine:
         engine.fit(steps=STEPS)
         results = engine.evaluate()
@@ -306,7 +310,7 @@ def train_bf16() -> dict:
     rank = int(os.environ["RANK"])
     losses = []
     model = Net(seed=rank)
-    with make_engine(model, MeshBackend(shard=2, precision="bf16"), batch_size=8) as engine:
+    with make_engine(model, MeshBackend(shard=2, precision="bf16", device="cpu"), batch_size=8) as engine:
         engine.on(cadence.Event.ON_FORWARD)(lambda e: losses.append(float(e.loss)))
         engine.fit(steps=30)
         param = next(engine.model.parameters())
@@ -340,7 +344,7 @@ def _setup_error(monkeypatch, world: int, model=None, **options) -> str:
             torch.optim.AdamW(model.parameters()),
             tiny_dataset(16),
             loss_fn=F.cross_entropy,
-            backend=MeshBackend(**options, timeout=30),
+            backend=MeshBackend(**options, timeout=30, device="cpu"),
             seed=0,
         )
     assert not dist.is_initialized()  # nothing was joined, so nothing can hang
@@ -387,7 +391,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"at most one axis may be -1"):
         MeshConfig(shard=-1, tensor=-1)
     with pytest.raises(cadence.ConfigError, match=r"mesh\.precision"):
-        MeshBackend(precision="fp16")
+        MeshBackend(precision="fp16", device="cpu")
     assert MeshConfig(replicate=2, shard=-1, tensor=2).sizes(8) == {
         "replicate": 2, "shard": 2, "context": 1, "pipeline": 1, "tensor": 2, "expert": 1, "expert_tensor": 1
     }  # fmt: skip

@@ -41,7 +41,7 @@ def _run(options: dict, callbacks: list, steps: int, batch_size: int) -> tuple[l
     ema = next(c for c in callbacks if isinstance(c, EMA))
     rank = dist.get_rank() if dist.is_initialized() else 0
     with make_engine(
-        Net(seed=rank + 3), MeshBackend(**options, timeout=60), batch_size=batch_size, callbacks=callbacks
+        Net(seed=rank + 3), MeshBackend(**options, timeout=60, device="cpu"), batch_size=batch_size, callbacks=callbacks
     ) as engine:
         engine.on(cadence.Event.ON_FORWARD)(lambda e: losses.append(float(e.loss.detach())))
         engine.fit(steps=steps)
@@ -72,7 +72,7 @@ def load_on_mesh(options: dict, checkpoint: str) -> dict:
     ema = EMA(decay=0.9)
     with make_engine(
         Net(seed=rank + 11),
-        MeshBackend(**options, timeout=60),
+        MeshBackend(**options, timeout=60, device="cpu"),
         batch_size=2,
         callbacks=[ema, Checkpoint(resume=checkpoint)],
     ) as engine:
@@ -92,11 +92,17 @@ def load_on_one_process(checkpoint: str) -> dict:
         seed=0,
         grad_accum=2,
         train={"batch_size": 2, "shuffle": False},  # as saved (per data rank)
+        device="cpu",
     )
     # Pretrained weights alone, through the callback on the local backend: the same store choice.
     pretrained = Checkpoint(dir=str(Path(checkpoint).parent / "pretrained"), pretrained=checkpoint, interval=0)
     with cadence.Engine(
-        *_engine_args(Net(seed=29)), loss_fn=F.cross_entropy, callbacks=[pretrained], backend="local", seed=0
+        *_engine_args(Net(seed=29)),
+        loss_fn=F.cross_entropy,
+        callbacks=[pretrained],
+        backend="local",
+        seed=0,
+        device="cpu",
     ) as other:
         other.evaluate(tiny_dataset(8))  # the first run applies the launch mode (on_setup)
         weights = flat(other.model)

@@ -124,6 +124,7 @@ def make_engine(config, backend, batch_size, callbacks=(), seed=0, shuffle=False
         log_interval=STEPS,
         train={"batch_size": batch_size, "shuffle": shuffle},
         **options,
+        device="cpu",
     )
     if config.n_experts:
         engine.on(cadence.Event.ON_FORWARD)(lm.log_experts)
@@ -158,7 +159,9 @@ def train_experts(options: dict) -> dict:
     logged: dict = {}
     callbacks = [grads, NonFiniteSkip(), GradClip(max_norm=0.5), NaNInExpert(rank=1, step=NAN_STEP)]
     # Each rank builds its model from its own seed: the backend starts them equal.
-    with make_engine(model_config(n_experts=4), MeshBackend(**options, timeout=30), 2, callbacks, seed=rank) as engine:
+    with make_engine(
+        model_config(n_experts=4), MeshBackend(**options, timeout=30, device="cpu"), 2, callbacks, seed=rank
+    ) as engine:
         engine.on(cadence.Event.ON_LOG)(lambda e: logged.update(e.logged))
         engine.fit(steps=STEPS)
         backend = engine.backend
@@ -203,7 +206,7 @@ def straight_stopped_resumed(config, options: dict, directory: str) -> dict:
 
     def run(callbacks, stop=None):
         engine = make_engine(
-            config, MeshBackend(**options, timeout=30), 2, [GradClip(max_norm=0.5), *callbacks],
+            config, MeshBackend(**options, timeout=30, device="cpu"), 2, [GradClip(max_norm=0.5), *callbacks],
             seed=dist.get_rank(), shuffle=True, steps=STEPS,
         )  # fmt: skip
         if stop is not None:
@@ -257,12 +260,14 @@ def save_experts_with_dcp(directory: str) -> dict:
 
     rank = int(os.environ["RANK"])
     config, options = model_config(n_experts=4), {"shard": 2, "expert": 2, "timeout": 30}
-    with make_engine(config, MeshBackend(**options), 2, [GradClip(max_norm=0.5)], seed=rank) as engine:
+    with make_engine(
+        config, MeshBackend(**{"device": "cpu", **options}), 2, [GradClip(max_norm=0.5)], seed=rank
+    ) as engine:
         engine.fit(steps=3)
         backend = engine.backend
         dcp.save({"model": backend.model_state_dict(engine)}, checkpoint_id=directory)
         saved = flat(engine.model)
-        with make_engine(config, MeshBackend(**options), 2, seed=rank + 10) as fresh:
+        with make_engine(config, MeshBackend(**{"device": "cpu", **options}), 2, seed=rank + 10) as fresh:
             state = {"model": fresh.backend.model_state_dict(fresh)}
             dcp.load(state, checkpoint_id=directory)
             fresh.backend.load_model_state_dict(fresh, state["model"])
@@ -291,7 +296,12 @@ def train_context(options: dict) -> dict:
     grads = Grads()
     callbacks = [grads, NonFiniteSkip(), GradClip(max_norm=0.5)]
     with make_engine(
-        model_config(causal=False), MeshBackend(**options, timeout=30), 2, callbacks, seed=rank, grad_accum=2
+        model_config(causal=False),
+        MeshBackend(**options, timeout=30, device="cpu"),
+        2,
+        callbacks,
+        seed=rank,
+        grad_accum=2,
     ) as engine:
         inputs = engine.model.rope_cos.shape
         # Whether the last micro-batch's outputs are still alive when the next forward starts.
@@ -344,7 +354,7 @@ def _setup_error(monkeypatch, world: int, model=None, **options) -> str:
             torch.optim.AdamW(model.parameters()),
             token_data(8),
             loss_fn=lm.next_byte_loss,
-            backend=MeshBackend(**options, timeout=30),
+            backend=MeshBackend(**options, timeout=30, device="cpu"),
             seed=0,
         )
     assert not dist.is_initialized()  # nothing was joined, so nothing can hang
@@ -389,17 +399,14 @@ def test_expert_axis_errors_name_the_experts(monkeypatch):
 
 def train_context_causal_cuda() -> dict:
     grads = Grads()
-    backend = MeshBackend(shard=1, context=2, context_attention="flash", precision="bf16", timeout=60)
+    backend = MeshBackend(shard=1, context=2, context_attention="flash", precision="bf16", timeout=60, device="cuda")
     with make_engine(model_config(causal=True), backend, 2, [grads], seed=0) as engine:
         engine.fit(steps=1)
         return {"loss": grads.loss, "grads": {k: v.float().cpu() for k, v in grads.grads.items()}}
 
 
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2,
-    reason="ring attention (causal context parallel) exists only for the CUDA flash/efficient/cudnn SDPA kernels; "
-    "needs 2 GPUs",
-)
+# Ring attention (causal context parallel) exists only for the CUDA flash/efficient/cudnn SDPA kernels.
+@pytest.mark.cuda(gpus=2)
 def test_context_parallel_ring_attention_causal():
     got = launch(train_context_causal_cuda, nprocs=2, start_method="spawn", timeout=110)
     torch.manual_seed(0)

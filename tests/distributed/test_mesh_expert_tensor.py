@@ -46,7 +46,7 @@ def train_and_resume(options: dict, directory: str | None) -> dict:
     try:
         grads, logged = Grads(), {}
         callbacks = [grads, NonFiniteSkip(), GradClip(max_norm=0.5), NaNInExpert(rank=1, step=NAN_STEP)]
-        with make_engine(config, MeshBackend(**options, timeout=30), 2, callbacks, seed=rank) as engine:
+        with make_engine(config, MeshBackend(**options, timeout=30, device="cpu"), 2, callbacks, seed=rank) as engine:
             engine.on(cadence.Event.ON_LOG)(lambda e: logged.update(e.logged))
             engine.fit(steps=STEPS)
             backend = engine.backend
@@ -135,7 +135,7 @@ def setup_replicated_hidden() -> str:
             torch.optim.AdamW(model.parameters()),
             token_data(8),
             loss_fn=lm.next_byte_loss,
-            backend=MeshBackend(shard=2, expert_tensor=2, timeout=30),
+            backend=MeshBackend(shard=2, expert_tensor=2, timeout=30, device="cpu"),
             seed=0,
         )
     except ValueError as error:
@@ -180,4 +180,4 @@ def test_expert_tensor_errors_name_the_axis_and_values(monkeypatch):
     message = _setup_error(monkeypatch, 2, model=torch.nn.Sequential(NoHiddenSize()), shard=2, expert_tensor=2)
     assert "NoHiddenSize does not declare `expert_hidden`" in message
     with pytest.raises(ValueError, match=r"mesh\.expert_tensor must be a size >= 1 \(it divides the data ranks\)"):
-        MeshBackend(expert_tensor=-1)
+        MeshBackend(expert_tensor=-1, device="cpu")

@@ -45,6 +45,7 @@ def make_engine(backend, seed: int, **model) -> cadence.Engine:
         seed=0,
         eval={"batch_size": BATCH},
         predict={"batch_size": BATCH},
+        device="cpu",
     )
 
 
@@ -71,7 +72,7 @@ class Counts(cadence.Callback):
 def evaluate_experts(options: dict) -> dict:
     rank = int(os.environ["RANK"])
     # Each rank builds its model from its own seed: the backend starts them as rank 0's (seed 0).
-    with make_engine(MeshBackend(**options, timeout=30), seed=rank) as engine:
+    with make_engine(MeshBackend(**options, timeout=30, device="cpu"), seed=rank) as engine:
         counts = Counts()
         engine.add_callback(counts)
         results = engine.evaluate()
@@ -129,7 +130,7 @@ def test_unequal_shards_evaluate_and_predict_exactly_on_expert_axes(axes, refere
 
 def evaluate_context(options: dict) -> dict:
     rank = int(os.environ["RANK"])
-    with make_engine(MeshBackend(**options, timeout=30), seed=rank, causal=False) as engine:
+    with make_engine(MeshBackend(**options, timeout=30, device="cpu"), seed=rank, causal=False) as engine:
         counts = Counts()
         engine.add_callback(counts)
         results = engine.evaluate()

@@ -121,6 +121,7 @@ def make_engine(model, backend, callbacks=(), **overrides):
         callbacks=callbacks,
         backend=backend,
         **options,
+        device="cpu",
     )
 
 
@@ -147,7 +148,7 @@ def train_pipeline(schedule: str) -> dict:
     rank = int(os.environ["RANK"])
     recorder = Recorder()
     callbacks = [NonFiniteSkip(), NaNOnRank(1, NAN_STEP), GradClip(max_norm=0.3), TrainMetrics(), recorder]
-    backend = MeshBackend(pipeline=2, shard=1, timeout=30, pipelining={"schedule": schedule})
+    backend = MeshBackend(pipeline=2, shard=1, timeout=30, pipelining={"schedule": schedule}, device="cpu")
     # Ranks build different initial models: the backend starts every stage from rank 0's.
     with make_engine(Net(seed=rank), backend, callbacks) as engine:
         engine.fit(steps=STEPS)
@@ -214,13 +215,13 @@ def resume_pipeline(workdir: str) -> dict:
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")  # one group for the three engines (a backend that did not create it keeps it)
-    with make_engine(Net(), MeshBackend(pipeline=2, timeout=30)) as engine:
+    with make_engine(Net(), MeshBackend(pipeline=2, timeout=30, device="cpu")) as engine:
         engine.fit(steps=STEPS)
         straight = named(engine.model)
-    with make_engine(Net(), MeshBackend(pipeline=2, timeout=30)) as engine:
+    with make_engine(Net(), MeshBackend(pipeline=2, timeout=30, device="cpu")) as engine:
         engine.fit(steps=7)  # stopped mid-epoch (25 steps per epoch)
         torch.save(build_payload(engine), Path(workdir) / f"stage-{rank}.pt")
-    with make_engine(Net(seed=9), MeshBackend(pipeline=2, timeout=30)) as engine:
+    with make_engine(Net(seed=9), MeshBackend(pipeline=2, timeout=30, device="cpu")) as engine:
         restore(engine, torch.load(Path(workdir) / f"stage-{rank}.pt", weights_only=False))
         engine.fit(steps=STEPS - 7)
         resumed = named(engine.model)
@@ -273,7 +274,7 @@ def refused(case: str) -> str:
     elif case == "partial batch":
         overrides = {"train": {"batch_size": 3, "drop_last": False}, "grad_accum": 2}  # 133 batches and 1 sample
     try:
-        with make_engine(model, MeshBackend(**options), **overrides) as engine:
+        with make_engine(model, MeshBackend(**{"device": "cpu", **options}), **overrides) as engine:
             engine.fit(steps=2)
     except (ValueError, NotImplementedError) as error:
         import torch.distributed as dist
@@ -321,7 +322,13 @@ def pipeline_fsdp(workdir: str) -> dict:
     train = {"batch_size": 4, "shuffle": False, "drop_last": True}
 
     def engine_for(seed: int):
-        return make_engine(Net(seed=seed), MeshBackend(**options), [GradClip(max_norm=0.3)], grad_accum=2, train=train)
+        return make_engine(
+            Net(seed=seed),
+            MeshBackend(**{"device": "cpu", **options}),
+            [GradClip(max_norm=0.3)],
+            grad_accum=2,
+            train=train,
+        )
 
     with engine_for(rank) as engine:
         engine.fit(steps=3)

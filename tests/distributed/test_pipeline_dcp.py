@@ -22,15 +22,15 @@ pytestmark = pytest.mark.timeout(120)
 
 def run(directory: str) -> dict:
     dist.init_process_group("gloo")  # one group for the three engines
-    with make_engine(Net(), MeshBackend(pipeline=2, timeout=30)) as engine:
+    with make_engine(Net(), MeshBackend(pipeline=2, timeout=30, device="cpu")) as engine:
         engine.fit(steps=STEPS)
         straight = named(engine.model)
     saver = Checkpoint(dir=directory, interval=7, unit="step")
-    with make_engine(Net(), MeshBackend(pipeline=2, timeout=30), [saver]) as engine:
+    with make_engine(Net(), MeshBackend(pipeline=2, timeout=30, device="cpu"), [saver]) as engine:
         engine.fit(steps=7)  # saved at step 7, mid-epoch (25 steps per epoch)
         assert saver.wait(60)
     loader = Checkpoint(dir=directory, resume=str(Path(directory) / "latest"))
-    with make_engine(Net(seed=9), MeshBackend(pipeline=2, timeout=30), [loader]) as engine:
+    with make_engine(Net(seed=9), MeshBackend(pipeline=2, timeout=30, device="cpu"), [loader]) as engine:
         engine.fit(steps=STEPS - 7)
         resumed = named(engine.model)
         final = engine.backend.all_gather_object(resumed, domain="optimizer")

@@ -43,6 +43,7 @@ def test_two_tasks_train_ddp_and_return_rank_zero_result(tmp_path):
             backend="auto",
             seed=0,
             train={"batch_size": 4},
+            device="cpu",
         ) as engine:
             engine.fit(epochs=1)
             weights = engine.backend.all_gather(model.weight.detach().reshape(-1))

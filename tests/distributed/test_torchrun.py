@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
     engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                            loss_fn=torch.nn.functional.cross_entropy, seed=0, epochs=2, train={"batch_size": 8})
+                            loss_fn=torch.nn.functional.cross_entropy, seed=0, epochs=2, train={"batch_size": 8}, device="cpu")
     engine.fit()
     result = {
         "backend": engine.backend.describe(),

@@ -21,7 +21,7 @@ class RefusingBackend(LocalBackend):
     """Applies every optimizer step except those in `refuse` (as DeepSpeed's overflow or TorchFT's commit do)."""
 
     def __init__(self, refuse=(), **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(**{"device": "cpu", **kwargs})
         self.refuse = set(refuse)
         self.calls = 0
 
@@ -57,6 +57,7 @@ def _engine(backend, callbacks=(), scheduler=None):
         callbacks=list(callbacks),
         scheduler=scheduler,
         seed=0,
+        device="cpu",
     )
 
 
@@ -97,14 +98,14 @@ def test_zero_grad_may_be_left_to_the_optimizer_step():
             for optimizer in engine.optimizers:
                 optimizer.zero_grad(set_to_none=True)
 
-    engine = _engine(ZeroesInStep())
+    engine = _engine(ZeroesInStep(device="cpu"))
     engine.fit(steps=2)
     assert engine.state.step == 2
     assert all(p.grad is None for p in engine.model.parameters())
 
 
 def test_local_parameters_and_gradients_default_to_the_model_s_own():
-    engine = _engine(LocalBackend())
+    engine = _engine(LocalBackend(device="cpu"))
     local = engine.backend.local_parameters(engine)
     assert [lp.name for lp in local] == [n for n, _ in engine.model.named_parameters()]
     assert all(lp.local is lp.param for lp in local)
@@ -127,7 +128,21 @@ def test_non_finite_skip_checks_what_local_gradients_returns():
                 return [*grads, torch.tensor([float("nan")])]
             return grads
 
-    engine = _engine(PoisonedShard(), [NonFiniteSkip()])
+    engine = _engine(PoisonedShard(device="cpu"), [NonFiniteSkip()])
+    engine.fit(steps=3)
+    assert engine.state.skipped_steps == 1
+
+
+@pytest.mark.cuda
+def test_non_finite_skip_checks_gradients_on_several_devices():
+    """CUDA gradients with a host part (as CPU-offloaded shards are): checked together, the NaN found."""
+
+    class HostShard(LocalBackend):
+        def local_gradients(self, engine):
+            host = torch.tensor([float("nan") if engine.state.step + 1 == 2 else 0.0])
+            return [*super().local_gradients(engine), host]
+
+    engine = _engine(HostShard(device="cuda"), [NonFiniteSkip()])
     engine.fit(steps=3)
     assert engine.state.skipped_steps == 1
 
@@ -135,7 +150,7 @@ def test_non_finite_skip_checks_what_local_gradients_returns():
 def test_evaluate_and_predict_run_inside_the_backend_s_evaluation_context():
     class Holding(LocalBackend):
         def __init__(self):
-            super().__init__()
+            super().__init__(device="cpu")
             self.entered = []
 
         def evaluation(self, engine):
@@ -167,6 +182,7 @@ def test_evaluate_and_predict_run_inside_the_backend_s_evaluation_context():
         backend=Holding(),
         callbacks=[Inside()],
         seed=0,
+        device="cpu",
     )
     engine.evaluate()
     engine.predict()
@@ -176,7 +192,7 @@ def test_evaluate_and_predict_run_inside_the_backend_s_evaluation_context():
 
 def test_ema_averages_through_local_parameters():
     ema = EMA(decay=0.5)
-    engine = _engine(LocalBackend(), [ema])
+    engine = _engine(LocalBackend(device="cpu"), [ema])
     engine.fit(steps=3)
     assert ema._shadow_locals[0] is ema.shadow[0]  # plain tensors: the shadow is its own local view
     with ema.swapped(engine):
@@ -188,7 +204,7 @@ class HalfStages(LocalBackend):
     """Pretends to be a pipeline stage without the loss (as the first stage): `eval_forward` gives nothing back."""
 
     def __init__(self, last: bool, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(**{"device": "cpu", **kwargs})
         self.last = last
         self.forwards = 0
 
@@ -206,10 +222,19 @@ class HalfStages(LocalBackend):
 
 def test_eval_forward_replaces_the_models_forward_in_evaluate_and_predict():
     data = tiny_batches(5)
-    plain = cadence.Engine(tiny_model(), None, eval_data=data, predict_data=data, loss_fn=F.cross_entropy, seed=0)
+    plain = cadence.Engine(
+        tiny_model(), None, eval_data=data, predict_data=data, loss_fn=F.cross_entropy, seed=0, device="cpu"
+    )
     last = HalfStages(last=True)
     staged = cadence.Engine(
-        tiny_model(), None, eval_data=data, predict_data=data, loss_fn=F.cross_entropy, seed=0, backend=last
+        tiny_model(),
+        None,
+        eval_data=data,
+        predict_data=data,
+        loss_fn=F.cross_entropy,
+        seed=0,
+        backend=last,
+        device="cpu",
     )
     assert staged.evaluate()["val.loss"] == plain.evaluate()["val.loss"]
     assert last.forwards == 5
@@ -217,7 +242,14 @@ def test_eval_forward_replaces_the_models_forward_in_evaluate_and_predict():
     # A rank without the loss declares it (names match at the reduction) and predicts nothing.
     first = HalfStages(last=False)
     engine = cadence.Engine(
-        tiny_model(), None, eval_data=data, predict_data=data, loss_fn=F.cross_entropy, seed=0, backend=first
+        tiny_model(),
+        None,
+        eval_data=data,
+        predict_data=data,
+        loss_fn=F.cross_entropy,
+        seed=0,
+        backend=first,
+        device="cpu",
     )
     assert list(engine.evaluate()) == ["val.loss"]
     assert engine.predict() == []
@@ -257,6 +289,7 @@ def test_train_metrics_tolerates_no_loss_and_declares_it(grad_accum):
         log_interval=2,
         grad_accum=grad_accum,
         seed=0,
+        device="cpu",
     )
     engine.fit(steps=2)
     assert "loss" in engine.logged and engine.logged["loss"] != engine.logged["loss"]  # declared, no value: NaN
@@ -278,4 +311,4 @@ def test_metric_names_are_checked_against_this_ranks_own():
     store = MetricStore()
     store.log("loss", 1.0)
     with pytest.raises(RuntimeError, match="ranks logged different metrics"):
-        store.compute(OthersRows())
+        store.compute(OthersRows(device="cpu"))

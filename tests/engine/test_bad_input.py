@@ -61,7 +61,12 @@ def make(*, model=None, data: Any = "dataset", callbacks=(), steps: Steps | None
         kwargs.setdefault("train", cadence.DataConfig(batch_size=8))
     callbacks = [*callbacks, *([steps] if steps is not None else [])]
     return cadence.Engine(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), data, callbacks=callbacks, seed=0, **kwargs
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        callbacks=callbacks,
+        seed=0,
+        **{"device": "cpu", **kwargs},
     )
 
 
@@ -122,7 +127,7 @@ CASES = [
     ("scheduler name", fails_at_build(scheduler="cosine"), TypeError, r"scheduler must be an LR scheduler instance .*got str 'cosine'"),
     ("checkpoint dir is a file", lambda tmp, steps: make(backend="ddp", callbacks=[Checkpoint(dir=a_file(tmp))]), cadence.ConfigError, r"checkpoint\.dir.*taken' is an existing file, not a folder"),
     ("no loss_fn", fails_at_fit(loss_fn=None), TypeError, r"without loss_fn or step_fn the model is called on the whole batch.*Pass loss_fn="),
-    ("data= keyword", lambda tmp, steps: cadence.Engine(tiny_model(), None, data=tiny_dataset(), backend="ddp"), TypeError, r"unexpected keyword argument 'data': pass training data as train_data="),
+    ("data= keyword", lambda tmp, steps: cadence.Engine(tiny_model(), None, data=tiny_dataset(), backend="ddp", device="cpu"), TypeError, r"unexpected keyword argument 'data': pass training data as train_data="),
     ("generator over epochs", fails_at_fit(data=one_pass(), fit={"epochs": 2}), ValueError, r"train_data is a one-shot iterator \(generator\).*trains 2 epochs"),
     ("train settings next to a DataLoader", fails_at_build(data=loader(), train={"batch_size": 8}), ValueError, r"train=\{'batch_size': 8\} is set, but train_data is a DataLoader"),
     # What DDP used to raise after starting its process group (issue 16, defect 4):
@@ -131,7 +136,7 @@ CASES = [
     ("order cycle", fails_at_build(callbacks=[Named("a", after=("b",)), Named("b", after=("a",))]), cadence.OrderError, r"cycle: (a -> b -> a|b -> a -> b)"),
     ("train data not iterable", fails_at_build(data=42), TypeError, r"train_data must be a torch Dataset.*got int 42"),
     ("fp16 on CPU", fails_at_build(precision="fp16", device="cpu"), ValueError, r"precision 'fp16' needs a CUDA device"),
-    ("cuda device without CUDA", fails_at_build(device="cuda:0"), ValueError, r"device 'cuda:0' was requested but CUDA is not available"),
+    ("cuda device without CUDA", fails_at_build(device="cuda:0"), ValueError, r"device 'cuda:0' was requested on rank 0 \(local rank 0\), but CUDA is not available here"),
     ("config key typo", fails_at_build(precison="bf16"), TypeError, r"unexpected keyword argument 'precison': did you mean precision=\?"),
 ]  # fmt: skip
 
@@ -193,5 +198,5 @@ class FailsAfterJoining(DDPBackend):
 
 def test_construction_failing_after_the_group_started_releases_it(one_rank):
     with pytest.raises(RuntimeError, match="does not fit"):
-        make(backend=FailsAfterJoining())
+        make(backend=FailsAfterJoining(device="cpu"))
     assert not dist.is_initialized(), "Engine() failed and left its process group behind"

@@ -20,7 +20,7 @@ def make_engine(**kwargs):
         tiny_batches(),
         loss_fn=torch.nn.functional.cross_entropy,
         seed=0,
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 
@@ -381,6 +381,7 @@ def test_after_and_before_that_are_not_state_keys_say_nothing_about_order():
         eval_data=data,
         callbacks=[KeepsTensors()],
         seed=0,
+        device="cpu",
     )
     engine.fit(steps=2)
     engine.evaluate()  # a new run: its order checks meet the tensors

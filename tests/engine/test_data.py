@@ -134,7 +134,7 @@ def _evaluate_on_two_ranks():
     with cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), dataset,
         loss_fn=torch.nn.functional.cross_entropy, eval_data=dataset, predict_data=dataset,
-        backend=DDPBackend(timeout=20), seed=0,  # a hung collective fails in 20 s
+        backend=DDPBackend(timeout=20, device="cpu"), seed=0,  # a hung collective fails in 20 s
         train={"batch_size": BATCH}, eval={"batch_size": BATCH}, predict={"batch_size": BATCH},
     ) as engine:  # fmt: skip
         batches = len(engine.data["val"])
@@ -176,6 +176,7 @@ def test_building_a_loader_shows_no_torchdata_deprecation_warning():
             torch.optim.SGD(model.parameters(), lr=0.1),
             tiny_dataset(),
             loss_fn=torch.nn.functional.cross_entropy,
+            device="cpu",
         )
     assert not [w for w in caught if "set_vital" in str(w.message)]
 

@@ -70,6 +70,7 @@ def _engine(callbacks=()):
         loss_fn=torch.nn.functional.mse_loss,
         callbacks=callbacks,
         seed=0,
+        device="cpu",
     )
 
 

@@ -27,7 +27,9 @@ def test_plain_loop_equivalence_with_adam():
             losses.append(loss.item())
 
     ours = tiny_model(seed=3)
-    engine = cadence.Engine(ours, torch.optim.Adam(ours.parameters(), lr=1e-2), data, loss_fn=F.cross_entropy, seed=0)
+    engine = cadence.Engine(
+        ours, torch.optim.Adam(ours.parameters(), lr=1e-2), data, loss_fn=F.cross_entropy, seed=0, device="cpu"
+    )
     our_losses = []
     engine.on(cadence.Event.ON_STEP_END)(lambda e: our_losses.append(e.loss.item()))
     engine.fit(epochs=2)
@@ -64,6 +66,7 @@ def test_shuffled_dataset_with_accumulation_equivalence():
         seed=seed,
         grad_accum=accum,
         train=cadence.DataConfig(batch_size=6),
+        device="cpu",
     )
     engine.fit(epochs=epochs)
     assert engine.state.step == 2 * 4  # 7 batches of 6 per epoch -> 4 steps (last one partial)

@@ -31,7 +31,7 @@ def make_engine(callbacks=(), seed=0, **kwargs):
         callbacks=callbacks,
         train={"batch_size": 8},
         seed=0,
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 
@@ -255,7 +255,7 @@ class Twice(torch.nn.Module):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_predict_gathers_in_dataset_order_on_one_process(shuffle):
-    engine = cadence.Engine(Twice(), seed=0, predict={"batch_size": 3, "shuffle": shuffle})
+    engine = cadence.Engine(Twice(), seed=0, predict={"batch_size": 3, "shuffle": shuffle}, device="cpu")
     per_batch = engine.predict(Index())
     assert len(per_batch) == 4
     gathered = engine.predict(Index(), gather=True)
@@ -272,6 +272,6 @@ def test_predict_gather_needs_tensor_outputs():
         def forward(self, x):
             return "words"
 
-    engine = cadence.Engine(Words(), seed=0)
+    engine = cadence.Engine(Words(), seed=0, device="cpu")
     with pytest.raises(TypeError, match=r"predict\(gather=True\) joins tensor outputs .* got str"):
         engine.predict(Index(), gather=True)

@@ -92,7 +92,7 @@ def engine(data=None, optimizer=True, **kwargs):
         data,
         loss_fn=F.cross_entropy,
         seed=0,
-        **kwargs,
+        **{"device": "cpu", **kwargs},
     )
 
 

@@ -19,7 +19,12 @@ pytestmark = pytest.mark.timeout(60)
 def make_engine(**kwargs):
     model = tiny_model()
     return cadence.Engine(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(10), loss_fn=F.cross_entropy, seed=0, **kwargs
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_batches(10),
+        loss_fn=F.cross_entropy,
+        seed=0,
+        **{"device": "cpu", **kwargs},
     )
 
 

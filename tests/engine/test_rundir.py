@@ -64,6 +64,7 @@ def make_engine(workspace: Path, run_config: RunConfig | None = None, **override
     return cadence.Engine(
         model, optimizer, tiny_batches(4), loss_fn=torch.nn.functional.cross_entropy,
         config=cfg.engine, run_config=cfg if run_config is not None else None,
+        device="cpu",
     )  # fmt: skip
 
 
@@ -181,9 +182,9 @@ def test_run_id_override_and_bad_folder_names(tmp_path):
     assert engine.run_dir == tmp_path / "ws" / "exp" / "baseline"
     # A path where a folder name belongs fails when the config is built, naming the field.
     with pytest.raises(ConfigError, match=r"config error at 'lineage'.*'a/b'"):
-        cadence.Engine(tiny_model(), lineage="a/b")
+        cadence.Engine(tiny_model(), lineage="a/b", device="cpu")
     with pytest.raises(ConfigError, match=r"config error at 'run_id'.*'\.\.'"):
-        cadence.Engine(tiny_model(), run_id="..")
+        cadence.Engine(tiny_model(), run_id="..", device="cpu")
 
 
 def test_a_drawn_seed_is_recorded_and_reused_by_a_retry(tmp_path):
@@ -274,6 +275,7 @@ def _two_ranks(workspace: str):
     engine = cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(4), loss_fn=torch.nn.functional.cross_entropy,
         backend="ddp", workspace=workspace, log_interval=1, callbacks=[TrainMetrics(), JSONL(), TextLog(console=False)],
+        device="cpu",
     )  # fmt: skip
     rank = engine.backend.rank
 

@@ -31,7 +31,7 @@ def train(seed: int | None, steps: int = 6, **overrides) -> tuple[list[float], l
     model = torch.nn.Sequential(tiny_model(), torch.nn.Dropout(0.5))
     engine = cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(64),
-        loss_fn=torch.nn.functional.cross_entropy, seed=seed, **overrides,
+        loss_fn=torch.nn.functional.cross_entropy, seed=seed, **{"device": "cpu", **overrides},
     )  # fmt: skip
     # Re-initialize after the engine seeded everything, so the weights follow the seed too.
     for module in model.modules():
@@ -68,6 +68,7 @@ def test_a_retry_with_an_unset_seed_reproduces_the_first_attempt(tmp_path):
         engine = cadence.Engine(
             model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(64),
             loss_fn=torch.nn.functional.cross_entropy, workspace=str(tmp_path / "ws"),
+            device="cpu",
         )  # fmt: skip
         _ = engine.run_dir  # the first attempt records its drawn seed there
         order = [batch[0].sum().item() for batch in engine.data["train"].epoch_iter(0, fresh=True)]
@@ -81,7 +82,7 @@ def test_a_retry_with_an_unset_seed_reproduces_the_first_attempt(tmp_path):
 
 def test_python_numpy_and_torch_are_seeded_with_the_seed():
     model = tiny_model()
-    cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=11)
+    cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=11, device="cpu")
     drawn = (random.random(), np.random.rand(), torch.rand(1))
     cadence.seed_everything(11)
     assert drawn == (random.random(), np.random.rand(), torch.rand(1))
@@ -93,6 +94,7 @@ def test_dataloader_workers_follow_the_seed():
         engine = cadence.Engine(
             model, torch.optim.SGD(model.parameters(), lr=0.1), NoisyDataset(),
             loss_fn=torch.nn.functional.cross_entropy, seed=seed, train={"batch_size": 8, "num_workers": 2},
+            device="cpu",
         )  # fmt: skip
         return [inputs for inputs, _ in engine.data["train"].epoch_iter(0, fresh=True)]
 
@@ -103,7 +105,7 @@ def test_dataloader_workers_follow_the_seed():
 
 def _rank_draws(seed: int):
     model = tiny_model()
-    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="ddp", seed=seed)
+    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="ddp", seed=seed, device="cpu")
     draws = (engine.backend.rank, random.random(), float(np.random.rand()), torch.rand(2).tolist())
     import torch.distributed as dist
 
@@ -150,7 +152,7 @@ def checkpointed_run(directory: Path, *, stop: int | None = None, resume: bool =
     engine = cadence.Engine(
         model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_dataset(64),
         loss_fn=torch.nn.functional.cross_entropy, seed=5, steps=8, log_interval=1000,
-        device="cuda" if cuda else None, train={"batch_size": 8},
+        device="cuda" if cuda else "cpu", train={"batch_size": 8},
         callbacks=[recorder, Checkpoint(dir=str(directory), interval=4, auto_resume=resume)],
     )  # fmt: skip
     if stop is not None:  # requested before the optimizer step of step `stop`, agreed in it
@@ -177,9 +179,7 @@ def test_resume_continues_the_python_numpy_and_torch_random_streams(tmp_path):
     assert_resumed_draws_match(tmp_path)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device: the CUDA RNG exists, and is checkpointed, only with one"
-)
+@pytest.mark.cuda  # the CUDA RNG exists, and is checkpointed, only with a CUDA device
 def test_resume_continues_the_cuda_random_stream(tmp_path):
     assert_resumed_draws_match(tmp_path, cuda=True)
 
@@ -208,10 +208,12 @@ def test_deterministic_sets_the_torch_flags(restore_determinism):
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
     model = tiny_model()
-    cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=0)  # default: untouched
+    cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=0, device="cpu")  # default: untouched
     assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
-    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=0, deterministic=True)
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), seed=0, deterministic=True, device="cpu"
+    )
     assert engine.config.deterministic is True
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
@@ -221,5 +223,5 @@ def test_deterministic_sets_the_torch_flags(restore_determinism):
 def test_deterministic_keeps_a_cublas_setting_the_user_chose(restore_determinism, monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     model = tiny_model()
-    cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=0, deterministic=True)
+    cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=0, deterministic=True, device="cpu")
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"

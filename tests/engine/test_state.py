@@ -63,6 +63,7 @@ def run(tmp_path: Path, callbacks, **checkpoint):
         callbacks=[*callbacks, Checkpoint(dir=str(tmp_path / "ckpt"), interval=1, **checkpoint)],
         seed=0,
         workspace=str(tmp_path),
+        device="cpu",
     )
     engine.fit(steps=8)
     return engine

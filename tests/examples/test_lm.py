@@ -25,11 +25,13 @@ TINY = [
 ]
 
 
-def run(tmp_path: Path, *overrides: str) -> str:
+def run(tmp_path: Path, *overrides: str, device: str = "cpu") -> str:
+    """examples/lm.py's output; on the CPU by default (several ranks with gloo, also on a GPU host)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    args = [*TINY, f"engine.workspace={tmp_path}", f"engine.device={device}", *overrides]
     return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "lm.py"), *TINY, f"engine.workspace={tmp_path}", *overrides],
+        [sys.executable, str(ROOT / "examples" / "lm.py"), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -156,3 +158,15 @@ def test_mixture_of_experts_and_context_parallel_parts():
     assert model.causal is False
     with pytest.raises(ValueError, match=r"sequences of model\.seq_len=16 tokens"):
         model.context_parallel_buffers((tokens[:, :8], targets[:, :8]))
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_lm_loss_falls_in_bf16_on_a_gpu(tmp_path):
+    """The LM job on one GPU in bf16 autocast: a few dozen steps of a small Transformer lower the loss."""
+    size = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_hidden=704",
+            "model.seq_len=256", "engine.train.batch_size=16", "data.max_bytes=2000000"]  # fmt: skip
+    untrained = final_val_loss(run(tmp_path / "untrained", *size, "engine.steps=0", device="cuda"))
+    out = run(tmp_path / "trained", *size, "engine.steps=60", "engine.precision=bf16", "optim.lr=0.003", device="cuda")
+    assert "local(rank=0/1, device=cuda:0)" in out, out
+    assert final_val_loss(out) < untrained - 1.0, out

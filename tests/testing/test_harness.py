@@ -300,6 +300,8 @@ MESH_HARNESSED = [
 def test_the_harness_passes_builtin_callbacks_on_the_mesh(name, tmp_path):
     from cadence.backends.mesh import MeshBackend
 
-    report = check_callback(BUILTINS[name], workdir=tmp_path, timeout=90, backend=lambda: MeshBackend(shard=-1))
+    report = check_callback(
+        BUILTINS[name], workdir=tmp_path, timeout=90, backend=lambda: MeshBackend(shard=-1, device="cpu")
+    )
     assert report.ok, str(report)
     assert {r.name for r in report.results} == set(PROPERTIES)

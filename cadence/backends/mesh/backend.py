@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.ddp import _OPS, DDPBackend, OverlappedAgreement
-from cadence.backends.local import default_device
+from cadence.backends.device import resolve_device
 from cadence.backends.mesh.config import MeshConfig
 from cadence.backends.mesh.pipeline import Pipeline, SplitFn, refuse_short_steps, resolve_split
 from cadence.backends.transforms import (
@@ -134,7 +134,7 @@ class MeshBackend(DDPBackend):
         #: Every axis's resolved size.
         self.sizes: dict[str, int] = {}
         self.data_group: Any = None
-        self.sharded = False  # whether fully_shard was applied (a data domain of more than one rank)
+        self.sharded = False  # whether fully_shard is applied (a data domain of several ranks, ft, cpu_offload)
         self._fsdp_modules: list[tuple[Any, bool]] = []  # (FSDPModule, its reshard_after_forward)
         self._root: Any = None
         self._sync: bool | None = None
@@ -180,7 +180,7 @@ class MeshBackend(DDPBackend):
         self.group = dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self._choose_device()
+        self.device = self._resolve_device()  # `cuda` is this rank's local GPU (cadence.backends.device)
         self._build_mesh()
         if self.ft is not None:  # the Manager joins the lighthouse; the first quorum heals the groups equal
             self.ft.start(engine, self.rank, self.world_size, self.device.type)
@@ -231,30 +231,17 @@ class MeshBackend(DDPBackend):
 
     def _expected_device_type(self) -> str:
         """The device type setup will choose, known before any process group (for validation)."""
-        if self.requested_device:
-            return torch.device(self.requested_device).type
-        if self.process_group_backend == "gloo" or not torch.cuda.is_available():
-            return "cpu"
-        return "cuda"
+        group = dist.get_backend() if dist.is_initialized() else self._group_backend()
+        return resolve_device(self.requested_device, process_group=group, current=False).type
 
     def _init_group(self) -> None:
         if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
             # One process started as a plain script: a group of one, no launcher needed.
-            backend = self.process_group_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            backend = self._group_backend()
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
             self.created_group = True
         else:
             self._init_process_group()
-
-    def _choose_device(self) -> None:
-        if self.requested_device:
-            self.device = default_device(self.requested_device, self.local_rank)
-        elif dist.get_backend() == "nccl":
-            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        else:
-            self.device = torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
 
     def _build_mesh(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -268,9 +255,11 @@ class MeshBackend(DDPBackend):
         self.data_rank, self.data_size = data.get_local_rank(), data.size()
         if sizes["context"] > 1:
             self.context_mesh = self.mesh["context"]
-        tensor_only = self.data_size == 1 and sizes["tensor"] > 1
-        # bf16 is FSDP2's MixedPrecisionPolicy when parameters are sharded; autocast otherwise.
-        self.set_precision(self.config.precision if tensor_only else "fp32", self.device)
+        # fully_shard over a data domain of several ranks; under ft always, also on one rank (the all-reduce
+        # hook across replica groups is FSDP2's); with cpu_offload too (CPUOffloadPolicy is FSDP2's).
+        self.sharded = self.data_size * sizes["context"] > 1 or self.ft is not None or self.config.cpu_offload
+        # bf16 is FSDP2's MixedPrecisionPolicy when parameters are sharded; autocast otherwise (one GPU, TP only).
+        self.set_precision("fp32" if self.sharded else self.config.precision, self.device)
 
     def _transform(self, model: torch.nn.Module) -> None:
         config = self.config
@@ -289,9 +278,7 @@ class MeshBackend(DDPBackend):
                 model, self.device.type, self.world_size, self.sizes["expert"], self.sizes["expert_tensor"]
             )
             self._norm_groups = {self._expert_params[0].device_mesh: norm_group}  # type: ignore[attr-defined]
-        # Under ft always sharded, also on one rank: the all-reduce hook across replica groups is FSDP2's.
-        self.sharded = self.data_size * self.sizes["context"] > 1 or self.ft is not None
-        if self.sharded:
+        if self.sharded:  # decided in _build_mesh
             self._shard(model, units)
         if self.ft is not None:
             hook = self.ft.all_reduce_hook()

@@ -61,20 +61,23 @@ class MeshConfig:
     Attributes:
         precision: "fp32", or "bf16": FSDP2's `MixedPrecisionPolicy` with
             bf16 parameters in forward/backward and fp32 gradient reduction
-            (`reduce_dtype`); fp32 master weights stay in the optimizer. On a
-            mesh without data axes (tensor only), bf16 autocasts instead.
+            (`reduce_dtype`); fp32 master weights stay in the optimizer. Where
+            parameters are not sharded (one process, tensor only), bf16 autocasts instead.
         reduce_dtype: dtype of the gradient reduce-scatter/all-reduce under bf16.
         reshard_after_forward: free gathered block parameters after forward
             (gathered again in backward); False keeps them until backward
             (more memory, fewer all-gathers). The root keeps its own.
         cpu_offload: FSDP2's `CPUOffloadPolicy` (parameters, gradients and
-            optimizer state on the host); needs an accelerator.
+            optimizer state on the host, copied to the GPU block by block);
+            needs an accelerator. Applied on one process too (FSDP2 over a
+            mesh of one): a model bigger than one GPU's memory trains there.
         units: class names of the blocks to shard (and checkpoint, compile);
             default `model.fsdp_units()`.
         activation_checkpointing: see `cadence.backends.transforms.ActivationCheckpointConfig`.
         compile: see `cadence.backends.transforms.CompileConfig`.
-        device: None: `cuda:LOCAL_RANK` with CUDA, else CPU.
-        process_group_backend: None: "nccl" with CUDA, else "gloo".
+        device: `"cuda"` is `cuda:LOCAL_RANK`; None: `cuda:LOCAL_RANK` with an NCCL group, else
+            the CPU (`cadence.backends.device`).
+        process_group_backend: None: "nccl" with CUDA (unless `device` is not CUDA), else "gloo".
         timeout: collective timeout in seconds.
         checkpoint: "dcp": `torch.distributed.checkpoint`, every rank writes its shards.
         context_attention: the SDPA kernel under context parallel: "auto"
