@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 import torch
 
+from cadence.checkpoint.device_copy import CopyFence, optimizer_written
 from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, locate, restore
+from cadence.checkpoint.staging import staged_size
 from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
-from cadence.checkpoint.writer import AsyncWriter, Job, staged_size
+from cadence.checkpoint.writer import AsyncWriter, Job
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
@@ -147,6 +149,7 @@ class Checkpoint(Callback):
         self.store: CheckpointStore = None  # type: ignore[assignment]  # set in on_setup
         self.last_saved: SavedCheckpoint | None = None
         self._writer: AsyncWriter | None = None
+        self._fence = CopyFence()  # async saves on GPUs: the copies the loop must wait for before writing
         self._reserving: Any = None  # the handle of `_reserve_staging` until it runs
         self._writes = False  # this rank calls the store's write (the main rank; every rank for collective stores)
         self._main = True
@@ -480,6 +483,16 @@ class Checkpoint(Callback):
             self._bind(engine)
         self._save(engine, reason=reason)
 
+    def release_copies(self) -> None:
+        """Make the GPU's current stream wait for the last async save's copies of parameters and optimizer state.
+
+        Called for you before the next optimizer step (and before evaluation, an epoch's end,
+        the end of fit); a callback that writes parameters or optimizer state in place earlier
+        in the step after a save calls it first. A wait on the GPU: the host goes on. Nothing
+        to do without CUDA tensors or async saves.
+        """
+        self._fence.release()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background writes to be committed; False on timeout (sync mode: True)."""
         if self._handles:
@@ -507,11 +520,13 @@ class Checkpoint(Callback):
                 if fresh or links:
                     payload = build_payload(engine, model=not self.store.restores_model) if fresh else None
                     job = Job(payload, "latest" if fresh else None, links, state.step, state.epoch, reason, full=full)
-                    self._dispatch(job, done)
+                    self._dispatch(engine, job, done)
                 if ema is not None and full:
+                    self._fence.release()  # the swaps write the parameters: after their copies
                     with ema.swapped(engine):  # `best` holds the averaged weights; written before they go back
                         best_payload = build_payload(engine, model=not self.store.restores_model)
-                        self._dispatch(Job(best_payload, "best", (), state.step, state.epoch, reason), done)
+                        self._dispatch(engine, Job(best_payload, "best", (), state.step, state.epoch, reason), done)
+                        self._fence.release()
             except Exception as exc:
                 error = exc
             # Written in the loop: sync saves, and under TorchFT a group's own data state when the
@@ -538,12 +553,20 @@ class Checkpoint(Callback):
         for job in done:
             self._committed(engine, job)
 
-    def _dispatch(self, job: Job, done: list[Job]) -> None:
+    def _dispatch(self, engine: Engine, job: Job, done: list[Job]) -> None:
         """Hand a job to the background writer, or commit it now (sync mode, writing ranks only)."""
         if self._store_async:
             self._submit_to_store(job, done)
         elif self._writer is not None:
-            self._writer.submit(job)
+            late = optimizer_written(engine) if job.payload is not None else set()
+            staging = self._writer.submit(job, late)
+            if staging is not None and staging.copies is not None and staging.copies.pending:
+                if (
+                    self._fitting
+                ):  # released before the next optimizer step (docs/checkpoints.md, "Async saves on GPUs")
+                    self._fence.arm(engine, staging)
+                else:
+                    staging.release()  # outside a fit nothing tells when the user writes the parameters
         elif self._writes:
             self._commit(job)
             if job.full:

@@ -2,7 +2,8 @@
 
 - `store`: `CheckpointStore` (the contract every store keeps) and `CheckpointError`.
 - `payload`: `build_payload` / `restore` / `load_checkpoint` / `load_pretrained`.
-- `writer`: the async writer and the staging of tensors it writes from.
+- `writer`: the async writer; `staging` (with `device_copy` for CUDA tensors): the reused
+  buffers it writes from.
 - `file_store` (with `file_io`, `file_read`, `direct_io`): folders of plain files,
   one writer (one process and DDP).
 
