@@ -104,12 +104,13 @@ class DCPStager:
         self._buffers = {}
 
 
-def _empty_like_dtensor(source: torch.Tensor, pin: bool) -> torch.Tensor:
+def _empty_like_dtensor(source: Any, pin: bool) -> Any:
     """A CPU DTensor on `source`'s mesh with its placements, its local shard pinned when `pin`.
 
     `torch.empty_like` runs on the local shard (DTensor's dispatch keeps the mesh and
-    placements); if the pinned variant is refused, an unpinned one (the copy is then
-    neither fast nor asynchronous, but correct).
+    placements). If the pinned one is refused: an unpinned one (the copies are then
+    neither fast nor asynchronous, but correct), else torch's own way to a CPU DTensor,
+    `.to("cpu")` (a copy, overwritten at every stage).
     """
     if pin:
         try:
@@ -118,7 +119,13 @@ def _empty_like_dtensor(source: torch.Tensor, pin: bool) -> torch.Tensor:
                 return out
         except (RuntimeError, TypeError, NotImplementedError) as exc:
             logger.warning("checkpoint: cannot pin a DTensor's staging buffer (%s); staging it unpinned", exc)
-    return torch.empty_like(source, device="cpu")
+    try:
+        out = torch.empty_like(source, device="cpu")
+    except (RuntimeError, TypeError, NotImplementedError):
+        out = source.to("cpu")
+    if out.to_local().data_ptr() == source.to_local().data_ptr():  # type: ignore[attr-defined]  # `.to` of a CPU DTensor is itself
+        out = source.clone()
+    return out
 
 
 def check_flat(state_dict: Mapping[str, Any]) -> None:
