@@ -59,7 +59,9 @@ class CheckpointConfig:
         score_name: the metric's name within the split (`loss` for `val.loss`), when no `monitor`.
         mode: "min" or "max": which way the score improves.
         async_mode: "disabled" (the loop waits for the durable write) or "async"
-            (it waits only for a copy into CPU staging buffers).
+            (it waits only for a copy into CPU staging buffers; CUDA tensors are copied
+            on a side stream, which the loop's stream waits for on the GPU: see
+            docs/checkpoints.md, "Async saves on GPUs").
         async_write_share: in async mode, the share of the time the background
             write keeps the disk busy while training runs (it rests between
             32 MB writes; 1: full speed). At the default 0.2 a write takes about
