@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
-import torch
 
 from cadence.checkpoint.device_copy import CopyFence, optimizer_written
-from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, locate, restore
+from cadence.checkpoint.launch_modes import auto_resume, load_pretrained_weights
+from cadence.checkpoint.payload import build_payload, load_checkpoint
 from cadence.checkpoint.staging import staged_size
 from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
 from cadence.checkpoint.writer import AsyncWriter, Job
@@ -230,126 +230,12 @@ class Checkpoint(Callback):
             )
         elif config.resume:
             load_checkpoint(engine, config.resume, strict=config.strict)
-        elif config.auto_resume and self._auto_resume(engine):
+        elif config.auto_resume and auto_resume(engine, self.store, strict=config.strict):
             pass  # this run's latest was restored: a pretrained model does not apply
         elif config.pretrained:
-            self._load_pretrained(engine)
-
-    def _auto_resume(self, engine: Engine) -> bool:
-        """Restore the newest complete checkpoint of this run; False if there is none.
-
-        The main rank picks: a collective store's candidates are checked with
-        `manifest` and `verify` only (its `read` is a collective), a file
-        store's are read (the read verifies, and the pick's payload is kept).
-        The pick is broadcast, then every other rank reads it (a collective
-        store: every rank together), and the ranks agree that every read
-        succeeded.
-        """
-        backend, store = engine.backend, self.store
-        picked, payload, problems = None, None, []
-        if backend.is_main:
-            for name in self._candidates():
-                try:
-                    with store_errors("checking", store.path(name)):
-                        if store.collective:
-                            store.manifest(name)
-                            store.verify(name)
-                        else:
-                            payload = store.read(name)
-                except CheckpointError as exc:
-                    problems.append(str(exc))
-                    continue
-                picked = name
-                break
-        if backend.world_size > 1:
-            picked, problems = backend.broadcast_object((picked, problems))
-        if picked is None:
-            if problems:
-                raise CheckpointError(
-                    "auto_resume: no complete checkpoint to resume from: "
-                    + " | ".join(problems)
-                    + "; delete the damaged checkpoints to start from scratch",
-                    path=store.directory,
-                )
-            logger.info("auto_resume: no checkpoint in %s; starting from scratch", store.directory)
-            return False
-        if problems:
-            logger.warning(
-                "auto_resume: falling back to the previous complete checkpoint %r: %s", picked, " | ".join(problems)
+            load_pretrained_weights(
+                engine, self.store, config.pretrained, exclude=config.pretrained_exclude, strict=config.strict
             )
-        payload = self._read_everywhere(engine, picked, payload)
-        restore(engine, payload, strict=self.config.strict, source=str(store.path(picked)))
-        return True
-
-    def _read_everywhere(self, engine: Engine, name: str, payload: dict[str, Any] | None) -> dict[str, Any]:
-        """`name`'s payload on every rank (read where not given); an error on any rank is raised on every rank."""
-        backend, store = engine.backend, self.store
-        error: CheckpointError | None = None
-        if payload is None:
-            try:
-                with store_errors("reading", store.path(name)):
-                    payload = store.read(name)
-            except CheckpointError as exc:
-                error = exc
-        if backend.world_size > 1:
-            failed = [
-                (rank, text)
-                for rank, text in enumerate(backend.all_gather_object(error and str(error), domain="optimizer"))
-                if text
-            ]
-            if failed and error is None:
-                error = CheckpointError(f"rank {failed[0][0]} could not read it: {failed[0][1]}", path=store.path(name))
-        if error is not None:
-            raise error
-        assert payload is not None
-        return payload
-
-    def _candidates(self) -> list[str]:
-        """`latest`, then history snapshots newest first (present even when damaged)."""
-        directory = self.store.directory
-        if directory is None or not directory.is_dir():
-            return []
-        history = []
-        for path in directory.iterdir():
-            if path.is_dir() and path.name.startswith(("ckpt-s", "ckpt-e")):
-                try:
-                    step = self.store.manifest(path.name).get("step") or 0
-                except CheckpointError:
-                    step = -1
-                history.append((step, path.name))
-        history.sort(reverse=True)
-        return (["latest"] if (directory / "latest").exists() else []) + [name for _, name in history]
-
-    def _load_pretrained(self, engine: Engine) -> None:
-        config, path = self.config, Path(str(self.config.pretrained)).expanduser()
-        if path.is_file():  # weights saved with torch.save
-            try:
-                obj = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise CheckpointError(f"cannot load pretrained weights: {exc}", path=path) from exc
-            state = obj.get("model", obj.get("state_dict", obj)) if isinstance(obj, Mapping) else obj
-            step = None
-        else:
-            store, name = locate(engine, self.store, path)
-            if store.restores_model:  # the store loads the module weights itself (DeepSpeed)
-                if config.pretrained_exclude:
-                    raise ValueError(
-                        f"Checkpoint(pretrained_exclude={config.pretrained_exclude}): the {type(store).__name__} "
-                        "loads module weights as a whole; load them without exclusions"
-                    )
-                with store_errors("reading pretrained weights", store.path(name)):
-                    store.read(name, keys=["model"])
-                logger.info("loaded pretrained weights from %s (through the store)", path)
-                engine.fire(Event.ON_LOAD)
-                return
-            with store_errors("reading pretrained weights", store.path(name)):
-                payload = store.read(name, keys=["model"])
-            state, step = payload["model"], payload.get("meta", {}).get("step")
-        if not isinstance(state, Mapping):
-            raise CheckpointError(f"pretrained weights must be a state dict, got {type(state).__name__}", path=path)
-        load_pretrained(
-            engine, state, strict=config.strict, exclude=config.pretrained_exclude, source=str(path), step=step
-        )
 
     # -- when to save ---------------------------------------------------------------------
 

@@ -150,7 +150,7 @@ class _Shared:
 
     def __init__(self) -> None:
         self.reaper = file_io.Reaper()
-        self.stager: DCPStager | None = None
+        self.stager = DCPStager()  # buffers kept from save to save (pinned for CUDA tensors)
         self.pending: PendingSave | None = None
 
 
@@ -331,7 +331,7 @@ class DCPStore(CheckpointStore):
                     storage_writer=prepared.writer,
                     process_group=group,
                     async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                    async_stager=self._stager(),
+                    async_stager=self._shared.stager,
                     no_dist=group is None,
                 )
         except (KeyboardInterrupt, SystemExit):
@@ -352,12 +352,6 @@ class DCPStore(CheckpointStore):
         self._shared.pending = pending
         thread.start()
         return pending
-
-    def _stager(self) -> DCPStager:
-        shared = self._shared
-        if shared.stager is None:
-            shared.stager = DCPStager()  # buffers kept from save to save (pinned for CUDA tensors)
-        return shared.stager
 
     def _complete(
         self,
@@ -522,9 +516,7 @@ class DCPStore(CheckpointStore):
     def close(self) -> None:
         """Wait for background work and free the staging buffers."""
         self.wait()
-        stager, self._shared.stager = self._shared.stager, None
-        if stager is not None:
-            stager.close()
+        self._shared.stager.close()
 
     def sweep(self) -> list[str]:
         """Main rank: remove temporary folders of interrupted writes (of processes no longer running)."""
