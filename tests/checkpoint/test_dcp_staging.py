@@ -67,7 +67,6 @@ def test_each_key_keeps_its_buffer_and_every_save_holds_the_values_at_its_call()
     for _ in range(3):  # the second save is where torch's DefaultStager failed on the GPU machine
         staged = stager.stage(live)
         seen.append({k: v.clone() for k, v in staged.items()})
-        assert all(not v.is_pinned() for v in staged.values())  # CPU sources: plain memory
         pointers = pointers or {k: v.data_ptr() for k, v in staged.items()}
         assert {k: v.data_ptr() for k, v in staged.items()} == pointers  # reused, not reallocated
         equal({k: v.clone() for k, v in live.items()}, staged)
