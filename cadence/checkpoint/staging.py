@@ -148,7 +148,7 @@ class Staging:
             offsets, sizes = _layout(sources)
             images = {file: _page(size) for file, size in sizes.items()}
             pin = any(cuda for *_, cuda in layout)
-            pools = [pool for pool in self._pools if pool.is_pinned() or not pin]
+            pools = [pool for pool in self._pools if not pin or pool.is_pinned()]  # (asked only with CUDA)
             starts: dict[str, tuple[int, int]] = {}  # file -> (pool, start): the files in order, each in one pool
             k = used = 0
             for n, (file, length) in enumerate(images.items()):
