@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
-import torch
 
-from cadence.checkpoint.payload import build_payload, load_checkpoint, load_pretrained, locate, restore
+from cadence.checkpoint.device_copy import CopyFence, optimizer_written
+from cadence.checkpoint.launch_modes import auto_resume, load_pretrained_weights
+from cadence.checkpoint.payload import build_payload, load_checkpoint
+from cadence.checkpoint.staging import staged_size
 from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
-from cadence.checkpoint.writer import AsyncWriter, Job, staged_size
+from cadence.checkpoint.writer import AsyncWriter, Job
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
@@ -57,7 +59,9 @@ class CheckpointConfig:
         score_name: the metric's name within the split (`loss` for `val.loss`), when no `monitor`.
         mode: "min" or "max": which way the score improves.
         async_mode: "disabled" (the loop waits for the durable write) or "async"
-            (it waits only for a copy into CPU staging buffers).
+            (it waits only for a copy into CPU staging buffers; CUDA tensors are copied
+            on a side stream, which the loop's stream waits for on the GPU: see
+            docs/checkpoints.md, "Async saves on GPUs").
         async_write_share: in async mode, the share of the time the background
             write keeps the disk busy while training runs (it rests between
             32 MB writes; 1: full speed). At the default 0.2 a write takes about
@@ -147,6 +151,7 @@ class Checkpoint(Callback):
         self.store: CheckpointStore = None  # type: ignore[assignment]  # set in on_setup
         self.last_saved: SavedCheckpoint | None = None
         self._writer: AsyncWriter | None = None
+        self._fence = CopyFence()  # async saves on GPUs: the copies the loop must wait for before writing
         self._reserving: Any = None  # the handle of `_reserve_staging` until it runs
         self._writes = False  # this rank calls the store's write (the main rank; every rank for collective stores)
         self._main = True
@@ -225,126 +230,12 @@ class Checkpoint(Callback):
             )
         elif config.resume:
             load_checkpoint(engine, config.resume, strict=config.strict)
-        elif config.auto_resume and self._auto_resume(engine):
+        elif config.auto_resume and auto_resume(engine, self.store, strict=config.strict):
             pass  # this run's latest was restored: a pretrained model does not apply
         elif config.pretrained:
-            self._load_pretrained(engine)
-
-    def _auto_resume(self, engine: Engine) -> bool:
-        """Restore the newest complete checkpoint of this run; False if there is none.
-
-        The main rank picks: a collective store's candidates are checked with
-        `manifest` and `verify` only (its `read` is a collective), a file
-        store's are read (the read verifies, and the pick's payload is kept).
-        The pick is broadcast, then every other rank reads it (a collective
-        store: every rank together), and the ranks agree that every read
-        succeeded.
-        """
-        backend, store = engine.backend, self.store
-        picked, payload, problems = None, None, []
-        if backend.is_main:
-            for name in self._candidates():
-                try:
-                    with store_errors("checking", store.path(name)):
-                        if store.collective:
-                            store.manifest(name)
-                            store.verify(name)
-                        else:
-                            payload = store.read(name)
-                except CheckpointError as exc:
-                    problems.append(str(exc))
-                    continue
-                picked = name
-                break
-        if backend.world_size > 1:
-            picked, problems = backend.broadcast_object((picked, problems))
-        if picked is None:
-            if problems:
-                raise CheckpointError(
-                    "auto_resume: no complete checkpoint to resume from: "
-                    + " | ".join(problems)
-                    + "; delete the damaged checkpoints to start from scratch",
-                    path=store.directory,
-                )
-            logger.info("auto_resume: no checkpoint in %s; starting from scratch", store.directory)
-            return False
-        if problems:
-            logger.warning(
-                "auto_resume: falling back to the previous complete checkpoint %r: %s", picked, " | ".join(problems)
+            load_pretrained_weights(
+                engine, self.store, config.pretrained, exclude=config.pretrained_exclude, strict=config.strict
             )
-        payload = self._read_everywhere(engine, picked, payload)
-        restore(engine, payload, strict=self.config.strict, source=str(store.path(picked)))
-        return True
-
-    def _read_everywhere(self, engine: Engine, name: str, payload: dict[str, Any] | None) -> dict[str, Any]:
-        """`name`'s payload on every rank (read where not given); an error on any rank is raised on every rank."""
-        backend, store = engine.backend, self.store
-        error: CheckpointError | None = None
-        if payload is None:
-            try:
-                with store_errors("reading", store.path(name)):
-                    payload = store.read(name)
-            except CheckpointError as exc:
-                error = exc
-        if backend.world_size > 1:
-            failed = [
-                (rank, text)
-                for rank, text in enumerate(backend.all_gather_object(error and str(error), domain="optimizer"))
-                if text
-            ]
-            if failed and error is None:
-                error = CheckpointError(f"rank {failed[0][0]} could not read it: {failed[0][1]}", path=store.path(name))
-        if error is not None:
-            raise error
-        assert payload is not None
-        return payload
-
-    def _candidates(self) -> list[str]:
-        """`latest`, then history snapshots newest first (present even when damaged)."""
-        directory = self.store.directory
-        if directory is None or not directory.is_dir():
-            return []
-        history = []
-        for path in directory.iterdir():
-            if path.is_dir() and path.name.startswith(("ckpt-s", "ckpt-e")):
-                try:
-                    step = self.store.manifest(path.name).get("step") or 0
-                except CheckpointError:
-                    step = -1
-                history.append((step, path.name))
-        history.sort(reverse=True)
-        return (["latest"] if (directory / "latest").exists() else []) + [name for _, name in history]
-
-    def _load_pretrained(self, engine: Engine) -> None:
-        config, path = self.config, Path(str(self.config.pretrained)).expanduser()
-        if path.is_file():  # weights saved with torch.save
-            try:
-                obj = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise CheckpointError(f"cannot load pretrained weights: {exc}", path=path) from exc
-            state = obj.get("model", obj.get("state_dict", obj)) if isinstance(obj, Mapping) else obj
-            step = None
-        else:
-            store, name = locate(engine, self.store, path)
-            if store.restores_model:  # the store loads the module weights itself (DeepSpeed)
-                if config.pretrained_exclude:
-                    raise ValueError(
-                        f"Checkpoint(pretrained_exclude={config.pretrained_exclude}): the {type(store).__name__} "
-                        "loads module weights as a whole; load them without exclusions"
-                    )
-                with store_errors("reading pretrained weights", store.path(name)):
-                    store.read(name, keys=["model"])
-                logger.info("loaded pretrained weights from %s (through the store)", path)
-                engine.fire(Event.ON_LOAD)
-                return
-            with store_errors("reading pretrained weights", store.path(name)):
-                payload = store.read(name, keys=["model"])
-            state, step = payload["model"], payload.get("meta", {}).get("step")
-        if not isinstance(state, Mapping):
-            raise CheckpointError(f"pretrained weights must be a state dict, got {type(state).__name__}", path=path)
-        load_pretrained(
-            engine, state, strict=config.strict, exclude=config.pretrained_exclude, source=str(path), step=step
-        )
 
     # -- when to save ---------------------------------------------------------------------
 
@@ -480,6 +371,16 @@ class Checkpoint(Callback):
             self._bind(engine)
         self._save(engine, reason=reason)
 
+    def release_copies(self) -> None:
+        """Make the GPU's current stream wait for the last async save's copies of parameters and optimizer state.
+
+        Called for you before the next optimizer step (and before evaluation, an epoch's end,
+        the end of fit); a callback that writes parameters or optimizer state in place earlier
+        in the step after a save calls it first. A wait on the GPU: the host goes on. Nothing
+        to do without CUDA tensors or async saves.
+        """
+        self._fence.release()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background writes to be committed; False on timeout (sync mode: True)."""
         if self._handles:
@@ -507,11 +408,13 @@ class Checkpoint(Callback):
                 if fresh or links:
                     payload = build_payload(engine, model=not self.store.restores_model) if fresh else None
                     job = Job(payload, "latest" if fresh else None, links, state.step, state.epoch, reason, full=full)
-                    self._dispatch(job, done)
+                    self._dispatch(engine, job, done)
                 if ema is not None and full:
+                    self._fence.release()  # the swaps write the parameters: after their copies
                     with ema.swapped(engine):  # `best` holds the averaged weights; written before they go back
                         best_payload = build_payload(engine, model=not self.store.restores_model)
-                        self._dispatch(Job(best_payload, "best", (), state.step, state.epoch, reason), done)
+                        self._dispatch(engine, Job(best_payload, "best", (), state.step, state.epoch, reason), done)
+                        self._fence.release()
             except Exception as exc:
                 error = exc
             # Written in the loop: sync saves, and under TorchFT a group's own data state when the
@@ -538,12 +441,20 @@ class Checkpoint(Callback):
         for job in done:
             self._committed(engine, job)
 
-    def _dispatch(self, job: Job, done: list[Job]) -> None:
+    def _dispatch(self, engine: Engine, job: Job, done: list[Job]) -> None:
         """Hand a job to the background writer, or commit it now (sync mode, writing ranks only)."""
         if self._store_async:
             self._submit_to_store(job, done)
         elif self._writer is not None:
-            self._writer.submit(job)
+            late = optimizer_written(engine) if job.payload is not None else set()
+            staging = self._writer.submit(job, late)
+            if staging is not None and staging.copies is not None and staging.copies.pending:
+                if (
+                    self._fitting
+                ):  # released before the next optimizer step (docs/checkpoints.md, "Async saves on GPUs")
+                    self._fence.arm(engine, staging)
+                else:
+                    staging.release()  # outside a fit nothing tells when the user writes the parameters
         elif self._writes:
             self._commit(job)
             if job.full:

@@ -2,9 +2,13 @@
 
 - `store`: `CheckpointStore` (the contract every store keeps) and `CheckpointError`.
 - `payload`: `build_payload` / `restore` / `load_checkpoint` / `load_pretrained`.
-- `writer`: the async writer and the staging of tensors it writes from.
+- `launch_modes`: auto-resume's pick of the newest complete checkpoint, pretrained weights.
+- `writer`: the async writer; `staging` (with `device_copy` for CUDA tensors): the reused
+  buffers it writes from.
 - `file_store` (with `file_io`, `file_read`, `direct_io`): folders of plain files,
   one writer (one process and DDP).
+- `dcp_store` (with `dcp_io`, `dcp_staging`): torch.distributed.checkpoint, every rank
+  writes its shards (meshes; DDP with `checkpoint="dcp"`).
 
 The `Checkpoint` callback (`cadence.callbacks.checkpoint`) holds the policy:
 when to save, which names, retention, best. A backend chooses its store

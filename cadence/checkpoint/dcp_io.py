@@ -41,7 +41,7 @@ RECORD_PREFIX = ".cadence-rank-"  # each rank's record of the files it wrote (re
 CHUNK = 8 << 20
 
 
-def _is_dtensor(value: Any) -> bool:
+def is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
 
 
@@ -58,9 +58,9 @@ def split(payload: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.T
 
     def walk(obj: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(obj, torch.Tensor):
-            if not (_is_dtensor(obj) or (path and path[0] in SECTIONS)):
+            if not (is_dtensor(obj) or (path and path[0] in SECTIONS)):
                 return obj  # kept in the skeleton, per rank
-            local = obj.to_local() if _is_dtensor(obj) else obj  # type: ignore[attr-defined]
+            local = obj.to_local() if is_dtensor(obj) else obj  # type: ignore[attr-defined]
             if local.layout != torch.strided:
                 raise ValueError(
                     f"checkpoint entry {'.'.join(map(str, path))}: {local.layout} tensors cannot be saved with "
@@ -140,7 +140,7 @@ class _DigestPickler(pickle.Pickler):
     """Pickles tensors by dtype, shape and a hash of their bytes (a tensor's own pickle is not deterministic)."""
 
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and not _is_dtensor(obj):
+        if isinstance(obj, torch.Tensor) and not is_dtensor(obj):
             data = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
             return ("tensor", str(obj.dtype), tuple(obj.shape), xxhash.xxh3_64_hexdigest(bytes(file_io.memory(data))))
         return None

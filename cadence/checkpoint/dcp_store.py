@@ -40,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import inspect
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ import torch
 import xxhash
 
 from cadence.checkpoint import dcp_io, file_io, folders
+from cadence.checkpoint.dcp_staging import DCPStager
 from cadence.checkpoint.folders import MANIFEST
 from cadence.checkpoint.store import FORMAT, CheckpointError, CheckpointStore
 
@@ -148,7 +150,7 @@ class _Shared:
 
     def __init__(self) -> None:
         self.reaper = file_io.Reaper()
-        self.stager: Any = None
+        self.stager = DCPStager()  # buffers kept from save to save (pinned for CUDA tensors)
         self.pending: PendingSave | None = None
 
 
@@ -186,7 +188,7 @@ class DCPStore(CheckpointStore):
 
     kind: ClassVar[str] = STORE
     collective: ClassVar[bool] = True
-    stages_itself: ClassVar[bool] = True  # async saves go through `write_async` (DCP stages), not a Staging copy
+    stages_itself: ClassVar[bool] = True  # async saves go through `write_async` (a `DCPStager`), not a Staging copy
 
     def __init__(
         self,
@@ -319,13 +321,17 @@ class DCPStore(CheckpointStore):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+            if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+                raise RuntimeError(
+                    f"async DCP saves need torch >= 2.9 (dcp.async_save(async_stager=...)), not {torch.__version__}"
+                )
             with _quiet(group):
                 response = dcp.async_save(
                     prepared.tensors,
                     storage_writer=prepared.writer,
                     process_group=group,
                     async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                    async_stager=self._stager(),
+                    async_stager=self._shared.stager,
                     no_dist=group is None,
                 )
         except (KeyboardInterrupt, SystemExit):
@@ -346,16 +352,6 @@ class DCPStore(CheckpointStore):
         self._shared.pending = pending
         thread.start()
         return pending
-
-    def _stager(self) -> Any:
-        shared = self._shared
-        if shared.stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            # CPU buffers kept from save to save (pinned when CUDA is there), copied into synchronously.
-            pinned = torch.cuda.is_available()
-            shared.stager = DefaultStager(StagingOptions(pinned, False, False, False))
-        return shared.stager
 
     def _complete(
         self,
@@ -520,9 +516,7 @@ class DCPStore(CheckpointStore):
     def close(self) -> None:
         """Wait for background work and free the staging buffers."""
         self.wait()
-        stager, self._shared.stager = self._shared.stager, None
-        if stager is not None:
-            stager.close()
+        self._shared.stager.close()
 
     def sweep(self) -> list[str]:
         """Main rank: remove temporary folders of interrupted writes (of processes no longer running)."""

@@ -14,7 +14,8 @@ import torch
 
 from cadence.checkpoint import direct_io, file_io
 from cadence.checkpoint.file_store import FileStore
-from cadence.checkpoint.writer import AsyncWriter, Job, Staging, staged_size
+from cadence.checkpoint.staging import Staging, staged_size
+from cadence.checkpoint.writer import AsyncWriter, Job
 from tests.checkpoint.test_file_store import assert_same, payload
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,0 +1,147 @@
+"""How a run starts from a checkpoint: auto-resume's pick of the newest complete one, and pretrained weights.
+
+The `Checkpoint` callback applies the launch modes in `on_setup` (resume >
+auto_resume > pretrained, docs/checkpoints.md, "Launch modes"); reading,
+checking and picking the checkpoint is done here, beside the stores.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cadence.checkpoint.payload import load_pretrained, locate, restore
+from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
+from cadence.engine.events import Event
+
+if TYPE_CHECKING:
+    from cadence.engine.engine import Engine
+
+logger = logging.getLogger("cadence.checkpoint")
+
+
+def auto_resume(engine: Engine, store: CheckpointStore, *, strict: bool) -> bool:
+    """Restore the newest complete checkpoint of this run; False if there is none.
+
+    The main rank picks: a collective store's candidates are checked with
+    `manifest` and `verify` only (its `read` is a collective), a file
+    store's are read (the read verifies, and the pick's payload is kept).
+    The pick is broadcast, then every other rank reads it (a collective
+    store: every rank together), and the ranks agree that every read
+    succeeded.
+    """
+    backend = engine.backend
+    picked, payload, problems = None, None, []
+    if backend.is_main:
+        for name in candidates(store):
+            try:
+                with store_errors("checking", store.path(name)):
+                    if store.collective:
+                        store.manifest(name)
+                        store.verify(name)
+                    else:
+                        payload = store.read(name)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            picked = name
+            break
+    if backend.world_size > 1:
+        picked, problems = backend.broadcast_object((picked, problems))
+    if picked is None:
+        if problems:
+            raise CheckpointError(
+                "auto_resume: no complete checkpoint to resume from: "
+                + " | ".join(problems)
+                + "; delete the damaged checkpoints to start from scratch",
+                path=store.directory,
+            )
+        logger.info("auto_resume: no checkpoint in %s; starting from scratch", store.directory)
+        return False
+    if problems:
+        logger.warning(
+            "auto_resume: falling back to the previous complete checkpoint %r: %s", picked, " | ".join(problems)
+        )
+    payload = read_everywhere(engine, store, picked, payload)
+    restore(engine, payload, strict=strict, source=str(store.path(picked)))
+    return True
+
+
+def read_everywhere(
+    engine: Engine, store: CheckpointStore, name: str, payload: dict[str, Any] | None
+) -> dict[str, Any]:
+    """`name`'s payload on every rank (read where not given); an error on any rank is raised on every rank."""
+    backend = engine.backend
+    error: CheckpointError | None = None
+    if payload is None:
+        try:
+            with store_errors("reading", store.path(name)):
+                payload = store.read(name)
+        except CheckpointError as exc:
+            error = exc
+    if backend.world_size > 1:
+        failed = [
+            (rank, text)
+            for rank, text in enumerate(backend.all_gather_object(error and str(error), domain="optimizer"))
+            if text
+        ]
+        if failed and error is None:
+            error = CheckpointError(f"rank {failed[0][0]} could not read it: {failed[0][1]}", path=store.path(name))
+    if error is not None:
+        raise error
+    assert payload is not None
+    return payload
+
+
+def candidates(store: CheckpointStore) -> list[str]:
+    """`latest`, then history snapshots newest first (present even when damaged)."""
+    directory = store.directory
+    if directory is None or not directory.is_dir():
+        return []
+    history = []
+    for path in directory.iterdir():
+        if path.is_dir() and path.name.startswith(("ckpt-s", "ckpt-e")):
+            try:
+                step = store.manifest(path.name).get("step") or 0
+            except CheckpointError:
+                step = -1
+            history.append((step, path.name))
+    history.sort(reverse=True)
+    return (["latest"] if (directory / "latest").exists() else []) + [name for _, name in history]
+
+
+def load_pretrained_weights(
+    engine: Engine, own: CheckpointStore, pretrained: str, *, exclude: list[str], strict: bool
+) -> None:
+    """Load model weights from `pretrained`: a file saved with torch.save, or a checkpoint (of any store)."""
+    path = Path(str(pretrained)).expanduser()
+    if path.is_file():  # weights saved with torch.save
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"cannot load pretrained weights: {exc}", path=path) from exc
+        state = obj.get("model", obj.get("state_dict", obj)) if isinstance(obj, Mapping) else obj
+        step = None
+    else:
+        store, name = locate(engine, own, path)
+        if store.restores_model:  # the store loads the module weights itself (DeepSpeed)
+            if exclude:
+                raise ValueError(
+                    f"Checkpoint(pretrained_exclude={exclude}): the {type(store).__name__} "
+                    "loads module weights as a whole; load them without exclusions"
+                )
+            with store_errors("reading pretrained weights", store.path(name)):
+                store.read(name, keys=["model"])
+            logger.info("loaded pretrained weights from %s (through the store)", path)
+            engine.fire(Event.ON_LOAD)
+            return
+        with store_errors("reading pretrained weights", store.path(name)):
+            payload = store.read(name, keys=["model"])
+        state, step = payload["model"], payload.get("meta", {}).get("step")
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"pretrained weights must be a state dict, got {type(state).__name__}", path=path)
+    load_pretrained(engine, state, strict=strict, exclude=exclude, source=str(path), step=step)
