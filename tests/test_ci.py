@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from pathlib import Path
@@ -33,3 +34,21 @@ def test_the_tools_ci_runs_are_pinned():
     for tool in ("ruff", "mypy"):
         (pin,) = [spec for spec in dev if re.match(rf"{tool}\b", spec)]
         assert re.fullmatch(rf"{tool}==[\d.]+", pin), f"the dev extra must pin {tool} exactly, got {pin!r}"
+
+
+def test_a_broken_cadence_import_fails_and_optional_skips_name_their_extra():
+    """`importorskip` of Cadence's own modules would turn a broken import into a silent skip."""
+    problems = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip"):
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            name = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+            if not isinstance(name, str):
+                problems.append(f"{where}: importorskip of a name not written out")
+            elif name.split(".")[0] == "cadence":
+                problems.append(f"{where}: importorskip({name!r}) skips on a broken import of Cadence: import it")
+            elif not any(keyword.arg == "reason" for keyword in node.keywords):
+                problems.append(f"{where}: importorskip({name!r}) without a reason naming the extra to install")
+    assert not problems, "\n".join(problems)
