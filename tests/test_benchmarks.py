@@ -64,7 +64,6 @@ def test_benchmark_runs_in_smoke_mode(script: Path, tmp_path: Path):
     assert done.returncode == 0, (
         f"benchmarks/{script.name} --smoke exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     )
-    assert "--smoke" in done.stdout, f"benchmarks/{script.name} --smoke does not say it is a smoke run"
     assert not list(cwd.iterdir()), f"benchmarks/{script.name} left {sorted(cwd.iterdir())} in its working folder"
 
 
