@@ -6,6 +6,7 @@
     python benchmarks/checkpoint.py --params 5 --repeats 2  # a smoke test
     python benchmarks/checkpoint.py --drop-caches           # also drop the whole page cache before cold reads (root)
     python benchmarks/checkpoint.py --full-speed-too        # also async writes at full speed (async_write_share=1)
+    python benchmarks/checkpoint.py --smoke                 # seconds: every part at tiny sizes (tests/test_benchmarks.py)
 
 --dcp adds torch.distributed.checkpoint's async_save, --buffered-too the async saves written
 through the page cache, as information rows (each costs about as long as the async part).
@@ -80,6 +81,15 @@ BATCH = 16
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 NORMAL_STEPS = 4  # steps timed before each async save: its reference
 CHECKSUM = getattr(file_io, "Checksum", None) or file_io.TensorChecksum  # (named Checksum since XXH3-64)
+HASH_MEGABYTES = 256  # hashed in memory for the checksum's cost
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """--smoke: 256-wide layers (0.5M parameters), one repeat, every optional measure."""
+    global WIDTH, HASH_MEGABYTES
+    WIDTH, HASH_MEGABYTES = 256, 8
+    args.params, args.repeats = 0.5, 1
+    args.dcp = args.buffered_too = args.full_speed_too = True
 
 
 def build_model(params_millions: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -159,7 +169,10 @@ def main() -> None:
     parser.add_argument(
         "--full-speed-too", action="store_true", help="also async saves written at full speed, share 1 (info)"
     )
+    parser.add_argument("--smoke", action="store_true", help="seconds-long run of every part at tiny sizes")
     args = parser.parse_args()
+    if args.smoke:
+        smoke(args)
     if any(os.environ.get(k) != v for k, v in FIXED_MALLOC.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **FIXED_MALLOC})
     torch.set_num_threads(min(4, os.cpu_count() or 1))
@@ -169,6 +182,8 @@ def main() -> None:
     shm = Path("/dev/shm")
     source = Path(tempfile.mkstemp(prefix=".bench-checkpoint-", suffix=".random", dir=shm if shm.is_dir() else root)[1])
     try:
+        if args.smoke:
+            print("--smoke: tiny sizes, to see every part run; the figures are not measurements")
         print("load average (1, 5, 15 min) at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         print(f"torch threads {torch.get_num_threads()}, CPUs {os.cpu_count()}, checksum {CHECKSUM.ALGORITHM}")
         run(root, source, args)
@@ -450,8 +465,8 @@ def measure_dcp(model, optimizer, root: Path, args: argparse.Namespace, results)
 
 
 def measure_hash(results, repeats: int) -> None:
-    """Seconds per GB of the checksum the store writes, in one thread, over 256 MB in memory."""
-    data = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8)
+    """Seconds per GB of the checksum the store writes, in one thread, over `HASH_MEGABYTES` in memory."""
+    data = torch.randint(0, 256, (HASH_MEGABYTES << 20,), dtype=torch.uint8)
     for _ in range(repeats):
         checksum = CHECKSUM(threaded=False)
         start = time.perf_counter()

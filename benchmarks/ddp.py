@@ -2,6 +2,7 @@
 
     python benchmarks/ddp.py             # 5 alternated pairs (about 3 minutes on 2 cores)
     python benchmarks/ddp.py --repeats 3
+    python benchmarks/ddp.py --smoke     # seconds: tiny sizes, every part once (tests/test_benchmarks.py)
 
 Workload W2 of benchmarks/overhead.py: an MLP with four 1024-wide layers
 (1024-1024-1024-1024-10), Adam, 200 timed steps after 20 warm-up steps, global
@@ -26,6 +27,15 @@ from pathlib import Path
 
 SIZES = [1024, 1024, 1024, 1024, 10]
 GLOBAL_BATCH, STEPS, WARMUP = 128, 200, 20
+AGREE_CALLS = 2000
+LAUNCH_TIMEOUT = 900  # seconds
+
+
+def smoke() -> None:
+    """--smoke: a 64-wide MLP, a few steps and agree calls (set before the workers fork)."""
+    global SIZES, STEPS, WARMUP, AGREE_CALLS, LAUNCH_TIMEOUT
+    SIZES, STEPS, WARMUP, AGREE_CALLS, LAUNCH_TIMEOUT = [64, 64, 10], 5, 2, 20, 60
+    print("--smoke: tiny sizes, to see every part run; the figures are not measurements", flush=True)
 
 
 def worker(kind: str) -> dict:
@@ -89,8 +99,9 @@ def worker(kind: str) -> dict:
     return {"us_per_step": elapsed / STEPS * 1e6, "params": digest.hexdigest()[:16]}
 
 
-def agree_cost(calls: int = 2000) -> float:
+def agree_cost() -> float:
     """Microseconds per `DDPBackend.agree` (the one collective Cadence adds per step)."""
+    calls = AGREE_CALLS
     import torch
 
     import cadence
@@ -99,7 +110,7 @@ def agree_cost(calls: int = 2000) -> float:
     model = torch.nn.Linear(2, 2)
     engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend=DDPBackend(), seed=0)
     backend, requests = engine.backend, engine.requests
-    for _ in range(100):
+    for _ in range(min(100, calls)):
         backend.agree(requests)
     backend.barrier()
     start = time.perf_counter()
@@ -113,10 +124,14 @@ def agree_cost(calls: int = 2000) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="alternated raw/Cadence pairs")
+    parser.add_argument("--smoke", action="store_true", help="seconds-long run at tiny sizes (2 pairs)")
     args = parser.parse_args()
+    if args.smoke:
+        smoke()
+        args.repeats = 2
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import torch._dynamo  # noqa: F401  DDP imports it: pay once here, not in every forked worker
-
+    # No torch._dynamo import here to pay it once: with it, a forked worker hung in its first
+    # torch.set_num_threads (3 of 4 runs of --smoke); each worker imports it building DDP, untimed.
     from cadence.launch import launch
 
     times: dict[str, list[float]] = {"raw": [], "cadence": []}
@@ -124,7 +139,7 @@ def main() -> None:
         results = {}
         order = ("raw", "cadence") if i % 2 == 0 else ("cadence", "raw")
         for kind in order:
-            results[kind] = launch(worker, kind, nprocs=2, start_method="fork", timeout=900)
+            results[kind] = launch(worker, kind, nprocs=2, start_method="fork", timeout=LAUNCH_TIMEOUT)
             times[kind].append(results[kind]["us_per_step"])
         if results["raw"]["params"] != results["cadence"]["params"]:
             raise SystemExit("parameters differ between the raw DDP loop and Cadence")
@@ -132,7 +147,7 @@ def main() -> None:
             f"pair {i + 1}: raw {times['raw'][-1]:.0f} us/step, cadence {times['cadence'][-1]:.0f} us/step", flush=True
         )
     raw, ours = statistics.median(times["raw"]), statistics.median(times["cadence"])
-    agree_us = launch(agree_cost, nprocs=2, start_method="fork", timeout=300)
+    agree_us = launch(agree_cost, nprocs=2, start_method="fork", timeout=min(300, LAUNCH_TIMEOUT))
     print(f"{'variant':24}  {'us/step':>9}  {'ratio':>6}")
     print(f"{'raw DDP loop':24}  {raw:9.1f}  {1.0:6.3f}")
     print(f"{'cadence, DDPBackend':24}  {ours:9.1f}  {ours / raw:6.3f}")

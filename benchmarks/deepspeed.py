@@ -4,6 +4,7 @@
     python benchmarks/deepspeed.py --rounds 3 --steps 5     # a quick check that it runs
     python benchmarks/deepspeed.py --stages 3 --precision bf16
     python benchmarks/deepspeed.py --separate --repeats 3   # each side in fresh processes, 3 pairs of 50 steps
+    python benchmarks/deepspeed.py --smoke                  # seconds: both modes at tiny sizes (tests/test_benchmarks.py)
 
 Workload W2 of benchmarks/overhead.py (an MLP with four 1024-wide layers,
 1024-1024-1024-1024-10), torch Adam (no compiled DeepSpeed op), global batch
@@ -57,6 +58,16 @@ def _fit_timing():
 
 SIZES = [1024, 1024, 1024, 1024, 10]
 GLOBAL_BATCH, ACCUM, WARMUP = 128, 2, 20
+#: What tests/test_benchmarks.py needs installed to run this file: module -> the extra that installs it.
+REQUIRES = {"deepspeed": "deepspeed"}
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """--smoke: a 64-wide MLP; ZeRO-3 in one launch (with the overlapped agreement), then ZeRO-2 separately."""
+    global SIZES, WARMUP
+    SIZES, WARMUP = [64, 64, 10], 2
+    args.steps, args.rounds, args.repeats, args.agreement = 2, 2, 1, "overlapped"
+    print("--smoke: tiny sizes, to see every part run; the figures are not measurements", flush=True)
 
 
 def _model_and_data(world: int, rank: int, steps: int, device: str):
@@ -281,9 +292,12 @@ def main() -> None:
     parser.add_argument(
         "--separate", action="store_true", help="each side in fresh processes per pair (--repeats pairs) instead"
     )
+    parser.add_argument("--smoke", action="store_true", help="seconds-long run of both modes at tiny sizes")
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 50 if args.separate else 20
+    if args.smoke:
+        smoke(args)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
@@ -291,9 +305,19 @@ def main() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed  # noqa: F401  pay the import once here, not in every forked worker
 
-    if not args.separate:
+    if args.smoke:
+        one_launch(argparse.Namespace(**{**vars(args), "stages": [3]}))
+        separate(argparse.Namespace(**{**vars(args), "stages": [2]}))
+    elif args.separate:
+        separate(args)
+    else:
         one_launch(args)
-        return
+
+
+def separate(args: argparse.Namespace) -> None:
+    """--separate: each side in two fresh processes per pair."""
+    import torch
+
     from cadence.launch import launch
 
     rows = []

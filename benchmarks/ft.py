@@ -2,6 +2,7 @@
 
     python benchmarks/ft.py                        # 3 alternated pairs + 2 kills (a few minutes on 2 cores)
     python benchmarks/ft.py --repeats 1 --steps 60 --heartbeats 1000   # a quick run
+    python benchmarks/ft.py --smoke                # seconds: both parts at tiny sizes (tests/test_benchmarks.py)
 
 1. Cost per step: Cadence's ddp backend on two processes (one launch,
    `WORLD_SIZE=2`, gloo) against the same backend with `ft` on two replica
@@ -28,6 +29,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -40,6 +42,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's cadence, here and in the workers (PYTHONPATH)
 SIZES = [1024, 1024, 1024, 1024, 10]
 BATCH, WARMUP = 64, 10
+#: What tests/test_benchmarks.py needs installed to run this file: module -> the extra that installs it.
+REQUIRES = {"torchft": "ft"}
+SMOKE = False  # --smoke, passed on to the workers
+
+
+def smoke() -> None:
+    """--smoke: a 64-wide MLP, 3 warm-up steps (here and in every worker)."""
+    global SIZES, WARMUP, SMOKE
+    SIZES, WARMUP, SMOKE = [64, 64, 10], 3, True
 
 
 def worker(options: dict) -> None:
@@ -50,6 +61,12 @@ def worker(options: dict) -> None:
     from cadence.backends.ddp import DDPBackend
 
     torch.set_num_threads(1)
+    together = options.get("together")
+    if together is not None:  # --smoke: both groups start here, not as far apart as their imports end
+        Path(together, f"ready-{options['index']}").touch()
+        deadline = time.monotonic() + 120
+        while len(list(Path(together).glob("ready-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for a, b in itertools.pairwise(SIZES):
@@ -65,6 +82,7 @@ def worker(options: dict) -> None:
 
     class Clock(cadence.Callback):
         order = 99
+        awaits_peer = options.get("await_peer", False)  # until the other group was seen in a quorum
 
         def on_forward(self, engine) -> None:
             if kill_after is not None and engine.state.step >= kill_after and engine.backend.ft.participants == 2:
@@ -75,6 +93,10 @@ def worker(options: dict) -> None:
         def on_step_end(self, engine) -> None:
             times.append(time.perf_counter())
             ends.append((time.time(), engine.agreed("skip")))
+            if self.awaits_peer:  # --smoke's tiny steps: slow down until the other group has joined
+                self.awaits_peer = engine.backend.ft.participants < 2
+                if self.awaits_peer:
+                    time.sleep(0.05)
 
     ft = options.get("ft")
     backend = DDPBackend(timeout=60, ft=ft)
@@ -117,7 +139,7 @@ def free_port() -> int:
 
 def spawn(options: dict, env: dict) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, __file__, "--worker", json.dumps(options)],
+        [sys.executable, __file__, "--worker", json.dumps(options), *(["--smoke"] if SMOKE else [])],
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -152,7 +174,11 @@ def group_env(port: int) -> dict:
 
 
 def run_ft(steps: int, address: str, heartbeat_ms: int = 1000, kill_after: int | None = None) -> tuple[dict, ...]:
+    import tempfile
+
     procs = []
+    # --smoke's steps are tiny: one group could be done before the other starts, so both start together.
+    together = tempfile.mkdtemp(prefix="cadence-ft-bench-") if kill_after is not None and SMOKE else None
     for replica in range(2):
         ft = {
             "replica_id": replica,
@@ -165,8 +191,14 @@ def run_ft(steps: int, address: str, heartbeat_ms: int = 1000, kill_after: int |
         options = {"steps": steps, "index": replica, "ft": ft}
         if replica == 1 and kill_after is not None:
             options["kill_after"] = kill_after
+        if together is not None:
+            options["together"], options["await_peer"] = together, True
         procs.append(spawn(options, group_env(free_port())))
-    return tuple(result(p) for p in procs)
+    try:
+        return tuple(result(p) for p in procs)
+    finally:
+        if together is not None:
+            shutil.rmtree(together, ignore_errors=True)
 
 
 def cost(repeats: int, steps: int) -> None:
@@ -218,10 +250,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--heartbeats", type=int, nargs="*", default=[1000, 2000])
+    parser.add_argument("--smoke", action="store_true", help="seconds-long run of both parts at tiny sizes")
     args = parser.parse_args()
+    if args.smoke:
+        smoke()
+        args.repeats, args.steps, args.heartbeats = 1, 60, [500]
     if args.worker:
         worker(json.loads(args.worker))
         return
+    if args.smoke:
+        print("--smoke: tiny sizes, to see every part run; the figures are not measurements", flush=True)
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
     start = time.time()
     cost(args.repeats, args.steps)

@@ -5,6 +5,7 @@ section `dcp`: the DCP checkpoint store on 2 ranks against the disk.
     python benchmarks/mesh.py loop --steps 3 --repeats 3   # a quick smoke run
     python benchmarks/mesh.py dcp                  # ~1.2 GB of FSDP2-sharded state (params + AdamW), 5 repeats
     python benchmarks/mesh.py dcp --gb 0.1 --repeats 2   # a quick smoke run
+    python benchmarks/mesh.py --smoke              # seconds: both sections at tiny sizes (tests/test_benchmarks.py)
 
 Section `loop`. For each workload (the LM job: examples/lm.py's Transformer, dim 128, 4 layers,
 sequences of 128 bytes, 8 sequences per data rank a step; W2 of benchmarks/overhead.py: an MLP
@@ -221,17 +222,29 @@ def dcp(args: argparse.Namespace) -> None:
 
 ROOT = Path(__file__).resolve().parents[1]
 W2 = [1024, 1024, 1024, 1024, 10]
+LM = {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 384, "seq_len": 128}
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """--smoke: both sections at tiny sizes, each workload and each layout once (set before the ranks fork)."""
+    global WIDTH, W2
+    WIDTH, W2 = 256, [64, 64, 64, 64, 10]
+    LM.update(dim=64, n_layers=2, ffn_hidden=192, seq_len=32)
+    args.steps, args.repeats, args.gb = 2, 1, 0.005
+    args.cases = [("lm", "fsdp2"), ("w2", "tp")]
+    print("--smoke: tiny sizes, to see every part run; the figures are not measurements", flush=True)
 
 
 def _lm_case(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "examples"))
     import lm
 
-    config = lm.ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, seq_len=128)
+    config = lm.ModelConfig(**LM)
     torch.manual_seed(0)
     model = lm.Transformer(config)
+    seq = config.seq_len
     data = lm.ByteSequences(
-        torch.randint(0, 256, (128 * 16 * 64 + 1,), generator=torch.Generator().manual_seed(1)), 128
+        torch.randint(0, 256, (seq * 16 * 64 + 1,), generator=torch.Generator().manual_seed(1)), seq
     )
     return {
         "model": model,
@@ -368,11 +381,10 @@ def loop(args: argparse.Namespace) -> None:
     import cadence
 
     print(f"{'case':14} {'cadence ms/step':>16} {'by hand ms/step':>16}   {'ratio median (min-max)':24} target")
-    for workload in args.workloads:
-        for layout in args.layouts:
-            got = cadence.launch(loop_rank, args, workload, layout, nprocs=2, start_method="fork", timeout=3600)
-            c, h = statistics.median(got["cadence"]), statistics.median(got["hand"])
-            print(f"{workload + ' ' + layout:14} {c * 1e3:16.2f} {h * 1e3:16.2f}   {_spread(got['ratios']):24} <= 1.03")
+    for workload, layout in args.cases:
+        got = cadence.launch(loop_rank, args, workload, layout, nprocs=2, start_method="fork", timeout=3600)
+        c, h = statistics.median(got["cadence"]), statistics.median(got["hand"])
+        print(f"{workload + ' ' + layout:14} {c * 1e3:16.2f} {h * 1e3:16.2f}   {_spread(got['ratios']):24} <= 1.03")
     print(
         f"({args.repeats} hand-written rounds of {args.steps} steps between {args.repeats + 1} Cadence windows of as many "
         f"steps in one fit, 2 gloo ranks, 1 thread each; "
@@ -388,7 +400,7 @@ def main() -> None:
     from fit_timing import add_agreement_options
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("section", choices=["loop", "dcp"], help="which benchmark")
+    parser.add_argument("section", nargs="?", choices=["loop", "dcp"], help="which benchmark (--smoke: both)")
     parser.add_argument("--steps", type=int, default=10, help="loop: steps per timed round and window")
     parser.add_argument("--workloads", nargs="+", choices=sorted(CASES), default=["lm", "w2"], help="loop: workloads")
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["fsdp2", "tp"], help="loop: layouts")
@@ -396,12 +408,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default: loop 7, dcp 5)")
     add_agreement_options(parser)
     parser.add_argument("--dir", default=None, help="a folder on the disk to measure (default: a temp folder here)")
+    parser.add_argument("--smoke", action="store_true", help="seconds-long run of both sections at tiny sizes")
     args = parser.parse_args()
+    args.cases = [(workload, layout) for workload in args.workloads for layout in args.layouts]
+    if args.section is None and not args.smoke:
+        parser.error("name a section (loop or dcp), or give --smoke")
+    if args.smoke:
+        smoke(args)
     print("load average (1, 5, 15 min) at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
-    if args.section == "loop":
+    if args.section in ("loop", None):
         args.repeats = args.repeats or 7
         loop(args)
-    if args.section == "dcp":
+    if args.section in ("dcp", None):
         args.repeats = args.repeats or 5
         dcp(args)
     print("load average (1, 5, 15 min) at end:   {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))

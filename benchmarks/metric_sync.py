@@ -2,6 +2,7 @@
 
     python benchmarks/metric_sync.py              # 20 evaluations, 4001 samples, 10 classes
     python benchmarks/metric_sync.py --samples 20001 --repeats 5
+    python benchmarks/metric_sync.py --smoke      # seconds: 101 samples, 2 evaluations (tests/test_benchmarks.py)
 
 A `MetricCollection` of F1, accuracy and AUROC (each with the engine's default
 compute groups) is filled with the same per-rank shard (unequal: the sample
@@ -29,6 +30,9 @@ import torch
 import torch.distributed as dist
 
 from cadence.launch import launch
+
+#: What tests/test_benchmarks.py needs installed to run this file: module -> the extra that installs it.
+REQUIRES = {"torchmetrics": "metrics"}
 
 
 def collection(classes: int):
@@ -100,7 +104,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4001)
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="seconds-long run: 101 samples, 2 evaluations")
     args = parser.parse_args()
+    if args.smoke:
+        args.samples, args.repeats = 101, 2
+        print("--smoke: tiny sizes, to see every part run; the figures are not measurements", flush=True)
     result = launch(worker, args.samples, args.classes, args.repeats, nprocs=2, start_method="fork", timeout=600)
     print(f"load average {os.getloadavg()[0]:.2f}; {args.samples} samples, {args.classes} classes, rank 0")
     for way in ("engine", "torchmetrics"):

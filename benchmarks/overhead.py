@@ -5,6 +5,7 @@
     python benchmarks/overhead.py --sinks-only --repeats 11   # W1: bare Cadence and the default sinks (pipe, file, terminal)
     python benchmarks/overhead.py --instructions   # W1: instructions per step, counted by valgrind (5-10 minutes)
     python benchmarks/overhead.py --bytecodes      # W1: Python bytecodes per step, by function (1 minute)
+    python benchmarks/overhead.py --smoke          # seconds: every part at tiny sizes (tests/test_benchmarks.py)
 
 `--sinks-only` also measures bare Cadence and the default sinks in their steady state
 (`sinks_windows`: one fit each, cut into 100-step windows with raw blocks between them), in
@@ -73,6 +74,8 @@ WORKLOADS = {
 # not on the loop. Both sides run with the thresholds fixed, so large blocks
 # stay in the heap and the benchmark measures loops, not page faults.
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+#: --smoke: tiny workloads, every worker in this process but the default path's file and terminal ones.
+SMOKE = False
 STEP_HOOKS = (
     "on_step_start",
     "on_batch",
@@ -82,6 +85,17 @@ STEP_HOOKS = (
     "on_optimizer_step",
     "on_step_end",
 )
+
+
+def smoke() -> None:
+    """--smoke: W1 of 100 steps, W2 64 wide and 5 steps, the workers in this process (see `run_worker`).
+
+    W1's warm-up stays a multiple of the log interval: `instructions_worker` marks its steps there.
+    """
+    global SMOKE
+    SMOKE = True
+    WORKLOADS["W1"].update(steps=100, warmup=50)
+    WORKLOADS["W2"].update(sizes=[64, 64, 64, 64, 10], steps=5, warmup=2)
 
 
 def build(workload: str):
@@ -439,7 +453,7 @@ def bytecodes(steps: int) -> None:
     """Prints the bytecodes per W1 step of each of `INSTRUCTION_KINDS` and Cadence's share by function."""
     per_step = {}
     for kind in INSTRUCTION_KINDS:
-        result = run_worker(f"bytecodes-{kind}", "W1", extra=("--steps", str(steps)))
+        result = run_worker(f"bytecodes-{kind}", "W1", steps=steps)
         per_step[kind] = result["per_step"]
     raw = sum(per_step["raw"].values())
     print(f"W1 Python bytecodes per step (sys.settrace opcode events, {steps} steps each):")
@@ -475,7 +489,7 @@ def instructions(steps: int) -> dict[str, float]:
                 "--dump-before=os_getppid*",
                 f"--callgrind-out-file={out}/{kind}.%p",
             )
-            result = run_worker(f"instructions-{kind}", "W1", extra=("--steps", str(steps)), prefix=prefix)
+            result = run_worker(f"instructions-{kind}", "W1", steps=steps, prefix=prefix)
             parts = sorted(glob.glob(f"{out}/{kind}.*"))
             measured = [path for path in parts if path.endswith(".2")]
             if len(parts) != 3 or len(measured) != 1:
@@ -491,13 +505,37 @@ def instructions(steps: int) -> dict[str, float]:
     return {kind: per_step for kind, (per_step, _) in counts.items()}
 
 
+def run_in_process(kind: str, workload: str, callbacks: int, steps: int, repeats: int) -> dict:
+    """What the worker process of `kind` prints, as a dict (`--worker`)."""
+    if kind.startswith("bytecodes-"):
+        return bytecodes_worker(kind.removeprefix("bytecodes-"), steps)
+    if kind.startswith("instructions-"):
+        return instructions_worker(kind.removeprefix("instructions-"), steps)
+    if kind == "blocks":
+        return callback_blocks(callbacks, rounds=repeats)
+    if kind.startswith("sinks-windows"):
+        return sinks_windows(rounds=repeats)
+    return worker(kind, workload, callbacks)
+
+
 def run_worker(
-    kind: str, workload: str, callbacks: int = 0, extra: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
+    kind: str,
+    workload: str,
+    callbacks: int = 0,
+    steps: int = 1000,
+    repeats: int = 11,
+    prefix: tuple[str, ...] = (),
+    timeout: float | None = None,
 ) -> dict:
+    """A worker of `kind` in a fresh process (--smoke: in this one, but "sinks-file" and "sinks-tty")."""
+    if SMOKE and not prefix and kind not in ("sinks-file", "sinks-tty"):
+        return run_in_process(kind, workload, callbacks, steps, repeats)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", **FIXED_MALLOC)
-    timeout = 3600 if prefix else 900  # under valgrind a step takes about 50 times as long
-    command = [*prefix, sys.executable, __file__, "--worker", kind]
-    command += ["--workload", workload, "--callbacks", str(callbacks), *extra]
+    if timeout is None:
+        timeout = 3600 if prefix else 900  # under valgrind a step takes about 50 times as long
+    command = [*prefix, sys.executable, __file__, "--worker", kind, "--workload", workload]
+    command += ["--callbacks", str(callbacks), "--steps", str(steps), "--repeats", str(repeats)]
+    command += ["--smoke"] if SMOKE else []
     if kind.endswith("-file"):
         # stderr to a regular file, as a shell's `2> log` or a scheduler's output file.
         with tempfile.TemporaryFile() as log:
@@ -551,7 +589,7 @@ def steady_state(rounds: int, processes: int) -> None:
     for _ in range(processes):
         for output in outputs:
             kind = "sinks-windows" + ("" if output == "pipe" else f"-{output}")
-            result = run_worker(kind, "W1", extra=("--repeats", str(rounds)))
+            result = run_worker(kind, "W1", repeats=rounds)
             for name in ("cadence", "sinks"):
                 medians.setdefault((output, name), []).append(result[name][1])
     print(
@@ -571,6 +609,8 @@ def steady_state(rounds: int, processes: int) -> None:
 
 
 def run_blocks(callbacks: int, rounds: int) -> dict:
+    if SMOKE:
+        return callback_blocks(callbacks, rounds)
     env = dict(os.environ, OMP_NUM_THREADS="1", **FIXED_MALLOC)
     command = [sys.executable, __file__, "--worker", "blocks", "--callbacks", str(callbacks), "--repeats", str(rounds)]
     out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=900)
@@ -619,22 +659,18 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="W1", help=argparse.SUPPRESS)
     parser.add_argument("--callbacks", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--smoke", action="store_true", help="seconds-long run of every part at tiny sizes (not --instructions)"
+    )
     args = parser.parse_args()
-    if args.worker and args.worker.startswith("bytecodes-"):
-        print(json.dumps(bytecodes_worker(args.worker.removeprefix("bytecodes-"), args.steps)))
-        return
-    if args.worker and args.worker.startswith("instructions-"):
-        print(json.dumps(instructions_worker(args.worker.removeprefix("instructions-"), args.steps)))
-        return
-    if args.worker == "blocks":
-        print(json.dumps(callback_blocks(args.callbacks, rounds=args.repeats)))
-        return
-    if args.worker and args.worker.startswith("sinks-windows"):
-        print(json.dumps(sinks_windows(rounds=args.repeats)))
-        return
+    if args.smoke:
+        smoke()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.workload, args.callbacks)))
+        print(json.dumps(run_in_process(args.worker, args.workload, args.callbacks, args.steps, args.repeats)))
         return
+    if args.smoke:
+        print("--smoke: tiny sizes, to see every part run; the figures are not measurements", flush=True)
+        args.repeats, args.steps = 1, 50
     if args.bytecodes:
         bytecodes(args.steps)
         return
@@ -645,7 +681,7 @@ def main() -> None:
         for kind, label in (("raw", "raw loop"), ("cadence", "bare Cadence"), ("sinks", "default sinks, pipe")):
             print(f"  {label:24} {counts[kind]:12,.0f}  {counts[kind] / raw:.4f}  (+{counts[kind] - raw:,.0f})")
         return
-    repeats = 3 if args.quick else args.repeats
+    repeats = 3 if args.quick and not args.smoke else args.repeats
     workloads = ["W1"] if args.quick or args.sinks_only else ["W1", "W2"]
     rows = []
     for workload in workloads:
@@ -700,7 +736,7 @@ def main() -> None:
         print(f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal)")
         steady_state(rounds=30 if args.quick else 120, processes=2 if args.quick else args.processes)
         return
-    rounds = 20 if args.quick else 80
+    rounds = 2 if args.smoke else 20 if args.quick else 80
     blocks = run_blocks(100, rounds)
     for key, label in (
         ("bus", "Cadence, 100 no-op callbacks"),
@@ -709,12 +745,17 @@ def main() -> None:
     ):
         low, median, high = blocks[key]
         print(f"W1 in one process, {label:30} {median:6.3f} us/callback/step ({low:.3f}-{high:.3f}, quartiles)")
-    print(f"import cadence after import torch: {import_time(5 if not args.quick else 3):.3f} s (median)")
+    print(
+        f"import cadence after import torch: {import_time(1 if args.smoke else 3 if args.quick else 5):.3f} s (median)"
+    )
     print(
         f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal;\n"
         " us/step: median over the runs; ratio: median over the alternations of run / the raw run before it;\n"
         f" in one process: {rounds} rounds of 100-step blocks of each loop in rotating order, one model)"
     )
+    if args.smoke:  # the other modes' parts (--instructions runs under valgrind: minutes)
+        steady_state(rounds=2, processes=1)
+        bytecodes(args.steps)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/pipeline.py                         # 2 ranks, 1F1B, 4 micro-batches, 7 rounds of 20 steps
     python benchmarks/pipeline.py --steps 5 --repeats 2   # a quick smoke run
+    python benchmarks/pipeline.py --smoke                 # seconds: tiny sizes (tests/test_benchmarks.py)
 
 Two forked gloo ranks (`cadence.launch`), each holding one stage of examples/lm.py's Transformer
 (embeddings + first half of the blocks; second half + norm + output). In one process group, in
@@ -143,7 +144,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8, help="micro-batch size")
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per step (grad_accum)")
+    parser.add_argument("--smoke", action="store_true", help="seconds-long run at tiny sizes (2 rounds of 2 steps)")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.repeats, args.dim, args.layers, args.seq, args.batch, args.accum = 2, 2, 64, 2, 32, 2, 2
+        print("--smoke: tiny sizes, to see every part run; the figures are not measurements", flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from cadence.launch import launch
 

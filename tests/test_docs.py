@@ -104,8 +104,8 @@ def test_docstring_examples_are_collected():
 
 @pytest.mark.timeout(600)
 def test_mkdocs_build_strict(tmp_path):
-    pytest.importorskip("mkdocs")
-    pytest.importorskip("mkdocstrings")
+    pytest.importorskip("mkdocs", reason="needs mkdocs: pip install 'cadence[docs]'")
+    pytest.importorskip("mkdocstrings", reason="needs mkdocstrings: pip install 'cadence[docs]'")
     site = tmp_path / "site"
     command = ["mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(site)]
     result = subprocess.run(

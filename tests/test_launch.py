@@ -20,6 +20,7 @@ from tests.conftest import execute_notebook
 pytestmark = pytest.mark.timeout(90)
 
 REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK_PACKAGES = "the notebook tests need nbformat, nbclient and ipykernel: pip install -e '.[dev]'"
 
 
 def report_environment(tag):
@@ -175,9 +176,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_launch_from_a_real_notebook_cell(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
+    nbformat = pytest.importorskip("nbformat", reason=NOTEBOOK_PACKAGES)
+    nbclient = pytest.importorskip("nbclient", reason=NOTEBOOK_PACKAGES)
+    pytest.importorskip("ipykernel", reason=NOTEBOOK_PACKAGES)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     define = textwrap.dedent(
         """

@@ -12,6 +12,7 @@ from tests.conftest import execute_notebook
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "notebook.ipynb"
 KERNEL = "cadence-test"
+NOTEBOOK_PACKAGES = "the notebook tests need nbformat, nbclient and ipykernel: pip install -e '.[dev]'"
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture
 def kernel(tmp_path, monkeypatch):
     """A kernelspec running this interpreter, found through JUPYTER_PATH (no global install)."""
-    pytest.importorskip("ipykernel")
+    pytest.importorskip("ipykernel", reason=NOTEBOOK_PACKAGES)
     spec = tmp_path / "jupyter" / "kernels" / KERNEL
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(
@@ -39,8 +40,8 @@ def kernel(tmp_path, monkeypatch):
 
 
 def test_the_notebook_runs_top_to_bottom(kernel, tmp_path):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    nbformat = pytest.importorskip("nbformat", reason=NOTEBOOK_PACKAGES)
+    nbclient = pytest.importorskip("nbclient", reason=NOTEBOOK_PACKAGES)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     workdir = tmp_path / "work"
     workdir.mkdir()

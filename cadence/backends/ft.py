@@ -53,7 +53,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import attrs
 
@@ -61,6 +61,7 @@ from cadence.engine import config as config_module
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.tensor import DTensor
 
     from cadence.engine.backend import StepPlan
     from cadence.engine.engine import Engine
@@ -673,7 +674,7 @@ def storage_of(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def _is_dtensor(value: Any) -> bool:
+def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
     return hasattr(value, "to_local") and hasattr(value, "placements")
 
 

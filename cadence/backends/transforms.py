@@ -103,8 +103,8 @@ def find_units(
     elif classes:
         units = _modules_of_classes(model, classes, "units")
         where = "units"
-    elif callable(getattr(model, "fsdp_units", None)):
-        found = list(model.fsdp_units())
+    elif callable(declared := getattr(model, "fsdp_units", None)):
+        found = list(declared())
         named = [u for u in found if not isinstance(u, torch.nn.Module)]
         if named:
             names = [u if isinstance(u, str) else getattr(u, "__name__", repr(u)) for u in named]

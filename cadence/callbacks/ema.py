@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import attrs
 import torch
@@ -14,6 +14,8 @@ from cadence.engine.callback import Callback
 from cadence.engine.order import Order
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from cadence.engine.engine import Engine
 
 
@@ -212,7 +214,7 @@ class EMA(Callback):
             self._pending = dict(shadow)
 
 
-def _is_distributed(tensor: torch.Tensor) -> bool:
+def _is_distributed(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     return hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local")  # a DTensor
 
 

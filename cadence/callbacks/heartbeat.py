@@ -5,7 +5,6 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
-import mmap
 import os
 import signal
 import socket
@@ -19,6 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from cadence.callbacks.heartbeat_watch import (
+    DUMP_SIGNAL,
+    EVALS,
+    EVENT,
+    EVENT_CODES,
+    EVENTS,
+    GENERATION,
+    LONG,
+    STEP,
+    LiveRecord,
+    RankWatch,
+    stacks_path,
+)
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
@@ -27,57 +39,6 @@ if TYPE_CHECKING:
     from cadence.engine.engine import Engine
 
 logger = logging.getLogger("cadence.heartbeat")
-
-#: The events a rank's live record names, by their index in it.
-EVENTS = (
-    "", "on_fit_start", "on_epoch_start", "on_step_start", "on_batch", "on_forward", "on_backward",
-    "on_before_optimizer_step", "on_optimizer_step", "on_step_end", "on_log", "on_eval_start", "on_eval_batch",
-    "on_eval_end", "on_epoch_end", "on_fit_end", "on_teardown",
-)  # fmt: skip
-_CODE = {name: i for i, name in enumerate(EVENTS)}
-# Slots of the live record (int64 each): the 1-based step, the event, evaluation batches, the
-# fit's generation (a number every rank of the fit shares), and whether a long operation runs.
-_STEP, _EVENT, _EVALS, _GENERATION, _LONG = range(5)
-_SLOTS = 8
-#: The signal that makes a rank dump its Python stacks into `stacks-rank-{r}.txt` (faulthandler,
-#: in C: it works while the rank's main thread holds the GIL). A real-time signal: SIGUSR1 and
-#: SIGUSR2 belong to Preemption under SLURM and to `cadence.launch`.
-DUMP_SIGNAL = getattr(signal, "SIGRTMIN", 34) + 3
-
-
-class _Live:
-    """A rank's last event and step in a file mapped into memory (`heartbeat/rank-{r}.live`).
-
-    The hot path writes int64 slots of the mapping: no call, no I/O, and other
-    processes on the host read them through the page cache at once, even while
-    this rank's main thread holds the GIL and none of its threads can run.
-    """
-
-    def __init__(self, path: Path | None) -> None:
-        self.path, self._map = path, None
-        if path is None:  # outside a fit: plain memory
-            self.slots = memoryview(bytearray(8 * _SLOTS)).cast("q")
-            return
-        with path.open("w+b") as fh:
-            fh.write(bytes(8 * _SLOTS))
-            fh.flush()
-            self._map = mmap.mmap(fh.fileno(), 8 * _SLOTS)
-        self.slots = memoryview(self._map).cast("q")
-
-    def close(self) -> None:
-        self.slots.release()
-        if self._map is not None:
-            self._map.close()
-
-
-def read_live(path: Path) -> list[int] | None:
-    """Another rank's live slots, or None when its file is missing or short."""
-    try:
-        with path.open("rb") as fh:
-            data = fh.read(8 * _SLOTS)
-    except OSError:
-        return None
-    return list(memoryview(data).cast("q")) if len(data) == 8 * _SLOTS else None
 
 
 def _positive(instance: Any, attribute: Any, value: float | None) -> None:
@@ -157,8 +118,8 @@ class Heartbeat(Callback):
 
     def __init__(self, config: HeartbeatConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = config_module.configure(HeartbeatConfig, config, kwargs, "heartbeat")
-        #: The hot-path record (see `_Live`): last event, its 1-based step, evaluation batches.
-        self._live = _Live(None)
+        #: The hot-path record (see `LiveRecord`): last event, its 1-based step, evaluation batches.
+        self._live = LiveRecord(None)
         self.completed = 0
         #: Stalls reported by this process (its own and, on rank 0, other ranks').
         self.stalls: list[dict[str, Any]] = []
@@ -173,64 +134,64 @@ class Heartbeat(Callback):
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._generation = 0
         self._stacks: Any = None  # the file faulthandler dumps into on DUMP_SIGNAL
-        self._others: dict[int, tuple[tuple[int, ...], float]] = {}  # rank 0: each rank's last progress
+        self._watch: RankWatch | None = None  # rank 0's watch over the other ranks
 
     # -- the hot path: writes into the live record only -----------------------
 
     @property
     def event(self) -> str:
         """The last event this rank entered."""
-        return EVENTS[self._live.slots[_EVENT]]
+        return EVENTS[self._live.slots[EVENT]]
 
     @property
     def step(self) -> int:
         """The 1-based step of the last event (the step in progress, or the one just completed)."""
-        return self._live.slots[_STEP]
+        return self._live.slots[STEP]
 
     def on_step_start(self, engine: Engine) -> None:
         slots = self._live.slots
-        slots[_STEP] = engine.state.step + 1
-        slots[_EVENT] = 3
+        slots[STEP] = engine.state.step + 1
+        slots[EVENT] = 3
 
     def on_batch(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 4
+        self._live.slots[EVENT] = 4
 
     def on_forward(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 5
+        self._live.slots[EVENT] = 5
 
     def on_backward(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 6
+        self._live.slots[EVENT] = 6
 
     def on_before_optimizer_step(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 7
+        self._live.slots[EVENT] = 7
 
     def on_optimizer_step(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 8
+        self._live.slots[EVENT] = 8
 
     def on_step_end(self, engine: Engine) -> None:
         slots = self._live.slots
-        slots[_STEP] = self.completed = engine.state.step
-        slots[_EVENT] = 9
+        slots[STEP] = self.completed = engine.state.step
+        slots[EVENT] = 9
 
     def on_log(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 10
+        self._live.slots[EVENT] = 10
 
     def on_eval_start(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 11
+        self._live.slots[EVENT] = 11
 
     def on_eval_batch(self, engine: Engine) -> None:
         slots = self._live.slots
-        slots[_EVENT] = 12
-        slots[_EVALS] += 1
+        slots[EVENT] = 12
+        slots[EVALS] += 1
 
     def on_eval_end(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 13
+        self._live.slots[EVENT] = 13
 
     def on_epoch_start(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 2
+        self._live.slots[EVENT] = 2
 
     def on_epoch_end(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = 14
+        self._live.slots[EVENT] = 14
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -246,14 +207,25 @@ class Heartbeat(Callback):
         # file left by an earlier fit is ignored and one written before rank 0 got here is not.
         generation = uuid.uuid4().int >> 65
         self._generation = engine.backend.broadcast_object(generation) if self.world_size > 1 else generation
-        self._others = {}
+        self._watch = None
+        if self.rank == 0 and config.watch_all and self.world_size > 1:
+            self._watch = RankWatch(
+                self.directory,
+                rank=self.rank,
+                host=self.host,
+                world_size=self.world_size,
+                generation=self._generation,
+                timeout=config.timeout,
+                interval=config.interval,
+                stalls=self.stalls,
+            )
         self._live.close()
-        self._live = _Live(self.directory / f"rank-{self.rank}.live")
+        self._live = LiveRecord(self.directory / f"rank-{self.rank}.live")
         slots = self._live.slots
-        slots[_STEP], slots[_EVENT], slots[_GENERATION] = engine.state.step, _CODE["on_fit_start"], self._generation
+        slots[STEP], slots[EVENT], slots[GENERATION] = engine.state.step, EVENT_CODES["on_fit_start"], self._generation
         self.completed = engine.state.step
         if threading.current_thread() is threading.main_thread():  # where signal handlers can be set
-            self._stacks = self._stacks_path(self.rank).open("a")
+            self._stacks = stacks_path(self.directory, self.rank).open("a")
             # Ignored once the dump is unregistered again: a late request must not end the process
             # (a real-time signal's default action).
             signal.signal(DUMP_SIGNAL, signal.SIG_IGN)
@@ -270,11 +242,11 @@ class Heartbeat(Callback):
             thread.start()
 
     def on_fit_end(self, engine: Engine) -> None:
-        self._live.slots[_EVENT] = _CODE["on_fit_end"]
+        self._live.slots[EVENT] = EVENT_CODES["on_fit_end"]
 
     def on_teardown(self, engine: Engine) -> None:
         if self._shutdown():
-            self._live.slots[_EVENT] = _CODE["on_teardown"]
+            self._live.slots[EVENT] = EVENT_CODES["on_teardown"]
             self._write(finished=True)
         if self._stacks is not None:
             faulthandler.unregister(DUMP_SIGNAL)
@@ -283,8 +255,8 @@ class Heartbeat(Callback):
             if path.exists() and not path.stat().st_size:  # nothing was dumped: no empty file left
                 path.unlink()
             self._stacks = None
-        live, self._live = self._live, _Live(None)
-        for slot in (_STEP, _EVENT, _EVALS):
+        live, self._live = self._live, LiveRecord(None)
+        for slot in (STEP, EVENT, EVALS):
             self._live.slots[slot] = live.slots[slot]
         live.close()
         self._engine = None
@@ -314,9 +286,6 @@ class Heartbeat(Callback):
         while not self._stop.wait(self.config.interval):
             self._write()
 
-    def _stacks_path(self, rank: int) -> Path:
-        return self.directory / f"stacks-rank-{rank}.txt"  # type: ignore[operator]
-
     def _write(self, finished: bool = False) -> None:
         if self.directory is None:
             return
@@ -343,16 +312,16 @@ class Heartbeat(Callback):
             engine, now = self._engine, time.monotonic()
             if engine is None:
                 return
-            seen = (slots[_STEP], slots[_EVENT], slots[_EVALS])
-            slots[_LONG] = engine.long_operation_name is not None
-            if seen != last_seen or slots[_LONG]:
+            seen = (slots[STEP], slots[EVENT], slots[EVALS])
+            slots[LONG] = engine.long_operation_name is not None
+            if seen != last_seen or slots[LONG]:
                 last_seen, last_progress, reported = seen, now, False
                 self._progress_wall = time.time()
             elif not reported and now - last_progress > self._limit():
                 reported = True
                 self._report_own(now - last_progress)
-            if self.rank == 0 and self.config.watch_all and self.world_size > 1:
-                self._scan_others()
+            if self._watch is not None:
+                self._watch.scan()
 
     def _report_own(self, stalled: float) -> None:
         event, step = self.event, self.step
@@ -360,92 +329,26 @@ class Heartbeat(Callback):
             f"heartbeat: rank {self.rank} ({self.host}, pid {self.pid}) made no progress for {stalled:.1f} s "
             f"(timeout {self._limit():g} s): stuck in {event} at step {step}"
         )
-        stacks_path = self._stacks_path(self.rank)
+        assert self.directory is not None  # set at fit start, before the watchdog starts
+        dump = stacks_path(self.directory, self.rank)
         stacks = ""
         try:
-            with stacks_path.open("a") as fh:
+            with dump.open("a") as fh:
                 fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
                 fh.flush()
                 start = fh.tell()
                 faulthandler.dump_traceback(fh, all_threads=True)
-            with stacks_path.open() as fh:
+            with dump.open() as fh:
                 fh.seek(start)
                 stacks = fh.read()
         except OSError as exc:
-            stacks = f"(could not dump stacks to {stacks_path}: {exc})"
+            stacks = f"(could not dump stacks to {dump}: {exc})"
         self.stalls.append({"rank": self.rank, "event": event, "step": step, "seconds": stalled,
-                            "time": time.time(), "stacks": str(stacks_path)})  # fmt: skip
-        logger.error("%s; Python stacks (also in %s):\n%s", message, stacks_path, stacks)
+                            "time": time.time(), "stacks": str(dump)})  # fmt: skip
+        logger.error("%s; Python stacks (also in %s):\n%s", message, dump, stacks)
         if self.config.exit_on_stall:
             logger.error("heartbeat: ending rank %d with exit code %d", self.rank, self.config.exit_code)
             for handler in logging.getLogger().handlers + logger.handlers:
                 handler.flush()
             sys.stderr.flush()
             os._exit(self.config.exit_code)
-
-    def _scan_others(self) -> None:
-        """Rank 0: report every other rank of this fit that made no progress for its timeout.
-
-        On this host a rank's progress is its live record (step, event, evaluation
-        batches), read through the page cache: it is current even when that rank's
-        main thread holds the GIL and its own threads cannot run. Such a rank is
-        then asked for its stacks with DUMP_SIGNAL. A rank on another host is
-        judged by its JSON file (its progress time, and whether it still writes).
-        """
-        now, wall = time.monotonic(), time.time()
-        for rank in range(1, self.world_size):
-            try:
-                record = json.loads((self.directory / f"rank-{rank}.json").read_text())  # type: ignore[operator]
-            except (OSError, ValueError):
-                continue
-            if record.get("generation") != self._generation or record.get("finished"):
-                continue  # an earlier fit's file, or a rank that is done
-            limit = float(record.get("timeout", self.config.timeout))
-            live = read_live(self.directory / f"rank-{rank}.live") if record["host"] == self.host else None  # type: ignore[operator]
-            if live is not None and live[_GENERATION] == self._generation:
-                seen = (live[_STEP], live[_EVENT], live[_EVALS])
-                step, event = live[_STEP], EVENTS[live[_EVENT]] if 0 <= live[_EVENT] < len(EVENTS) else "?"
-                last = self._others.get(rank)
-                if last is None or last[0] != seen or live[_LONG] or record.get("long_operation"):
-                    self._others[rank] = (seen, now)
-                    continue
-                stalled, what = now - last[1], None
-                if stalled > limit:
-                    what = f"made no progress for {stalled:.1f} s (timeout {limit:g} s)"
-            else:  # another host: its file is all there is
-                if record.get("long_operation"):
-                    continue
-                step, event = record["step"], record["event"]
-                stalled, written = wall - record["time"], wall - record["written"]
-                what = None
-                if stalled > limit:
-                    what = f"made no progress for {stalled:.1f} s (timeout {limit:g} s)"
-                elif written > limit + 2 * self.config.interval:
-                    what = f"has not written its heartbeat for {written:.1f} s (hung holding the GIL, or dead)"
-            key = (rank, step, event)
-            if what is None or any(s.get("key") == key for s in self.stalls):
-                continue
-            stacks = self._ask_for_stacks(rank, record, f"rank {rank} stuck in {event} at step {step}")
-            self.stalls.append({"rank": rank, "event": event, "step": step, "seconds": stalled,
-                                "time": wall, "key": key, "stacks": str(stacks)})  # fmt: skip
-            logger.error(
-                "heartbeat: rank %d (%s, pid %s) %s: stuck in %s at step %d; its Python stacks: %s",
-                rank, record["host"], record["pid"], what, event, step, stacks,
-            )  # fmt: skip
-
-    def _ask_for_stacks(self, rank: int, record: Mapping[str, Any], why: str) -> Path | str:
-        """Have `rank` (on this host) dump its stacks into its stacks file; that file's path."""
-        path = self._stacks_path(rank)
-        if record["host"] != self.host:
-            return f"{path} (written by rank {rank} itself if its watchdog can run: it is on {record['host']})"
-        try:
-            with path.open("a") as fh:
-                fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} asked by rank {self.rank}: {why}\n")
-            asked = path.stat().st_size
-            os.kill(int(record["pid"]), DUMP_SIGNAL)
-        except OSError as exc:
-            return f"{path} (could not ask pid {record['pid']} for its stacks: {exc})"
-        deadline = time.monotonic() + 0.5  # faulthandler writes from the signal handler, in C: at once
-        while time.monotonic() < deadline and path.stat().st_size == asked:
-            time.sleep(0.02)
-        return path

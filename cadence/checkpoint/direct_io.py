@@ -123,7 +123,7 @@ def image_of(tensors: list[torch.Tensor], offsets: list[int], size: int) -> torc
     inside = any(s <= base and base + length <= s + n for s, n in list(_images.items()))  # (a copy: GC may edit)
     if not inside or base + length > start + storage.nbytes():
         return None
-    return torch.empty(0, dtype=torch.uint8).set_(storage, base - start, (length,))
+    return torch.empty(0, dtype=torch.uint8).set_(storage, base - start, (length,), (1,))
 
 
 def write_image(path: Any, fd: int, image: torch.Tensor, size: int, written: Callable[[int], None]) -> None:

@@ -144,7 +144,7 @@ def locate(engine: Engine, store: CheckpointStore, path: str | os.PathLike[str])
             # the file store: DCP reads it on this rank's process group, or on one process without one.
             from cadence.checkpoint.dcp_store import DCPStore
 
-            return DCPStore.for_engine(engine).at(at.directory), name
+            return DCPStore.for_engine(engine).at(at.path(name).parent), name
         return at, name
     found: tuple[str, str] | None = None
     problem: str | None = None

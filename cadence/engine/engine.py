@@ -630,6 +630,7 @@ class Engine:
                 if staged is not None:
                     store.declare(f"{split}.loss")  # ranks without the loss (pipeline stages) take part
                 batches = self._lockstep(source.epoch_iter(0, fresh=True), source, staged, True, split)
+                means: Mapping[str, Any]  # the staged forward's loss, or what eval_fn returned
                 for batch in batches:
                     self.batch = self._place(batch)
                     if staged is not None:

@@ -197,7 +197,9 @@ def test_mesh_axes_and_deepspeed_with_ft_are_refused():
 
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
-    pytest.importorskip("torchft", reason="the ft extra is not installed (torchft-nightly==2026.10.26)")
+    pytest.importorskip(
+        "torchft", reason="the ft extra is not installed (pip install 'cadence[ft]': torchft-nightly==2026.10.26)"
+    )
     from cadence.backends.ft import local_lighthouse
 
     folder = tmp_path_factory.mktemp("ft")

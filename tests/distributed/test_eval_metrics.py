@@ -15,7 +15,7 @@ from cadence.launch import launch
 from cadence.metrics import Accuracy, Metric
 from tests.conftest import tiny_dataset, tiny_model
 
-torchmetrics = pytest.importorskip("torchmetrics")
+torchmetrics = pytest.importorskip("torchmetrics", reason="needs torchmetrics: pip install 'cadence[metrics]'")
 
 pytestmark = pytest.mark.timeout(120)
 

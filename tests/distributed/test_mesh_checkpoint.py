@@ -25,7 +25,6 @@ from cadence.launch import launch
 from tests.conftest import tiny_dataset
 from tests.distributed.test_mesh import Net, _full, flat, make_engine
 
-pytest.importorskip("cadence.checkpoint.dcp_store", reason="the DCP store is not on this branch")
 pytestmark = pytest.mark.timeout(120)
 
 STEPS, STOP = 20, 7  # 50 steps per epoch at 2 x 2 samples a step on each of 2 ranks: step 7 is mid-epoch

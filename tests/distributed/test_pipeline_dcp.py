@@ -1,7 +1,4 @@
-"""Pipeline checkpoints through the mesh's DCP store: stopped mid-epoch and resumed bitwise; stages -> whole model.
-
-Skipped where `cadence.checkpoint.dcp_store` does not exist (the pipeline branch before the DCP store merge).
-"""
+"""Pipeline checkpoints through the mesh's DCP store: stopped mid-epoch and resumed bitwise; stages -> whole model."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ from cadence.callbacks import Checkpoint
 from cadence.launch import launch
 from tests.distributed.test_pipeline import STEPS, Net, make_engine, named
 
-pytest.importorskip("cadence.checkpoint.dcp_store", reason="the DCP store is not on this branch")
 pytestmark = pytest.mark.timeout(120)
 
 

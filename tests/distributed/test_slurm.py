@@ -10,7 +10,7 @@ import pytest
 import cadence
 from cadence.launch import SlurmConfig, WorkerError, launch, slurm_requeue
 
-pytest.importorskip("submitit")
+pytest.importorskip("submitit", reason="needs submitit: pip install 'cadence[slurm]'")
 pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from cadence.engine.evaluation import MetricError
 from cadence.metrics import Accuracy, Metric
 from tests.conftest import tiny_batches, tiny_dataset, tiny_model
 
-torchmetrics = pytest.importorskip("torchmetrics")
+torchmetrics = pytest.importorskip("torchmetrics", reason="needs torchmetrics: pip install 'cadence[metrics]'")
 from torchmetrics.classification import MulticlassConfusionMatrix, MulticlassF1Score  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def make_engine(callbacks=(), seed=0, **kwargs):
 
 
 def test_two_sets_are_logged_under_their_splits_to_jsonl_and_tensorboard_and_save_best_follows_test_f1(tmp_path):
-    pytest.importorskip("tensorboard")
+    pytest.importorskip("tensorboard", reason="needs tensorboard: pip install 'cadence[tensorboard]'")
     from cadence.callbacks.tensorboard import TensorBoard
     from tests.callbacks.test_tensorboard import read, scalars
 

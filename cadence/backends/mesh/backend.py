@@ -112,9 +112,9 @@ class MeshBackend(DDPBackend):
             from cadence.backends.ft import FaultTolerance, check_mesh_axes, make_config
 
             check_mesh_axes(attrs.asdict(self.config))
-            config = make_config(ft)
-            assert config is not None
-            self.ft = FaultTolerance(config)  # validates replica ids and the lighthouse address
+            ft_config = make_config(ft)
+            assert ft_config is not None
+            self.ft = FaultTolerance(ft_config)  # validates replica ids and the lighthouse address
         self.parallelize_fn = parallelize
         self.units_fn = units_fn
         self.process_group_backend = self.config.process_group_backend
