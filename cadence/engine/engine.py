@@ -544,7 +544,12 @@ class Engine:
     def _end_epoch(self) -> None:
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
-        self._evaluate_due(self._eval_schedule("epochs"), self.state.epoch)
+        # A set that its step schedule evaluated at this very step (the epoch's last) is not evaluated
+        # again on the same weights: EarlyStopping's patience and a plateau scheduler count each once.
+        # Read from the schedule, not remembered, so a run resumed from that step decides the same.
+        evaluated = {split for split, every in self._eval_schedule("steps") if self.state.step % every == 0}
+        due = tuple((split, every) for split, every in self._eval_schedule("epochs") if split not in evaluated)
+        self._evaluate_due(due, self.state.epoch)
         self.fire(Event.ON_EPOCH_END)
         # Requests raised at epoch end (early stopping after evaluation) are
         # agreed here so the stop happens before another epoch starts.
