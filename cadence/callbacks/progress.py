@@ -149,7 +149,7 @@ class ProgressBar(Callback):
 
     def _open_at_next_step(self, engine: Engine) -> None:
         if self._open_handle is None:
-            self._open_handle = engine.on(Event.ON_STEP_START, order=self.order)(self._step_start)
+            self._open_handle = engine.add_handler(Event.ON_STEP_START, self._step_start, order=self.order)
 
     def _step_start(self, engine: Engine) -> None:
         # At a step, not at on_fit_start: a checkpoint restored there has moved the
@@ -166,7 +166,7 @@ class ProgressBar(Callback):
     def _count_each_step(self, engine: Engine, each: bool) -> None:
         """Count every step on the bar (`each`), or only catch it up at each `on_log`."""
         if each and self._update_handle is None:
-            self._update_handle = engine.on(Event.ON_STEP_END, order=self.order)(self._step_end)
+            self._update_handle = engine.add_handler(Event.ON_STEP_END, self._step_end, order=self.order)
         elif not each and self._update_handle is not None:
             self._update_handle.remove()
             self._update_handle = None

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import heapq
 import itertools
+import sys
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -161,7 +164,10 @@ class FunctionHandler:
 
 
 class Handle:
-    """Returned by every registration; `remove()` unregisters."""
+    """Returned by `engine.add_callback` and `engine.add_handler`; `remove()` unregisters.
+
+    (`@engine.on(...)` returns the decorated function itself; `engine.remove_handler(fn)` unregisters it.)
+    """
 
     def __init__(self, bus: EventBus, callback: Any) -> None:
         self._bus, self.callback = bus, callback
@@ -220,6 +226,8 @@ class EventBus:
             self._entries.pop()
             self._rebuild()
             raise
+        if not isinstance(callback, FunctionHandler):
+            _warn_misspelled_hooks(callback)
         return Handle(self, callback)
 
     def remove(self, callback: Any) -> None:
@@ -229,24 +237,39 @@ class EventBus:
             raise ValueError(f"callback {callback_key(callback)!r} is not registered")
         self._rebuild()
 
-    def on(
+    def add_function(
         self,
         event: Event | str,
+        fn: Callable[[Engine], Any],
         *,
         every: int | None = None,
         once: int | None = None,
         when: Callable[[Engine], bool] | None = None,
         order: int = 50,
-    ) -> Callable[[Callable[[Engine], Any]], Handle]:
-        event = _event(event)
+    ) -> Handle:
+        """Register `fn(engine)` on `event` with filters; returns its handle."""
+        event = as_event(event)
+        if not callable(fn):
+            raise TypeError(f"engine.on({event.value}) registers a function fn(engine), got {fn!r}")
+        name = getattr(fn, "__qualname__", type(fn).__qualname__)
+        key = f"fn:{name}@{event.value}#{next(self._index)}"
+        handler = FunctionHandler(fn, event, every=every, once=once, when=when, order=order, key=key)
+        return self.add(handler)
 
-        def register(fn: Callable[[Engine], Any]) -> Handle:
-            name = getattr(fn, "__qualname__", type(fn).__qualname__)
-            key = f"fn:{name}@{event.value}#{next(self._index)}"
-            handler = FunctionHandler(fn, event, every=every, once=once, when=when, order=order, key=key)
-            return self.add(handler)
-
-        return register
+    def remove_function(self, fn: Callable[[Engine], Any], event: Event | str | None = None) -> int:
+        """Unregister every registration of `fn` (on `event` only, when given); returns how many."""
+        wanted = None if event is None else as_event(event)
+        handlers = [
+            c
+            for c in self.ordered
+            if isinstance(c, FunctionHandler) and c.fn == fn and (wanted is None or c.event is wanted)
+        ]
+        if not handlers:
+            on = "" if wanted is None else f" on {wanted.value}"
+            raise ValueError(f"function {getattr(fn, '__qualname__', fn)!r} is not registered{on}")
+        for handler in handlers:
+            self.remove(handler)
+        return len(handlers)
 
     def listeners(self, events: Iterable[Event]) -> list[Any]:
         """The registered callbacks (and function handlers) with a hook on any of `events`, in order."""
@@ -385,7 +408,35 @@ class _Instrumented:
                 _raise_hook_failure(engine, self.bus, hook, self.event, exc)
 
 
-def _event(event: Event | str) -> Event:
+_EVENT_NAMES = tuple(e.value for e in Event)
+
+
+def _warn_misspelled_hooks(callback: Any) -> None:
+    """Warn about methods named like a hook (`on_...`) that no event calls: a misspelled hook is never called."""
+    cls = type(callback)
+    for name in dir(cls):
+        if not name.startswith("on_") or name in _EVENT_NAMES or not callable(getattr(cls, name, None)):
+            continue
+        close = difflib.get_close_matches(name, _EVENT_NAMES, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"hooks are named {', '.join(_EVENT_NAMES)}"
+        warnings.warn(
+            f"callback {callback_key(callback)!r} has a method {name}() that no event calls: {hint} "
+            "(a hook is a method named after a cadence.Event value; rename this one if it is not meant as a hook)",
+            UserWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` of the first frame outside cadence, so a warning points at the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("cadence."):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def as_event(event: Event | str) -> Event:
+    """`event` as an `Event`; an unknown name is a ValueError listing the events."""
     try:
         return Event(event)
     except ValueError:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
@@ -17,7 +17,7 @@ import torch
 from cadence.engine import checks, registry, rundir
 from cadence.engine import config as config_module
 from cadence.engine.backend import NULL_CONTEXT, Backend, batch_size, restore_training_mode
-from cadence.engine.bus import EventBus, Handle, callback_key
+from cadence.engine.bus import EventBus, Handle, as_event, callback_key
 from cadence.engine.control import IN_STEP_EVENTS, Requests
 from cadence.engine.data import DataConfig, DataSource
 from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gather_outputs, in_lockstep, scalar
@@ -107,6 +107,7 @@ class EngineConfig:
 
 
 StepFn = Callable[[torch.nn.Module, Any], Any]
+HookFn = TypeVar("HookFn", bound=Callable[..., Any])
 
 
 class Engine:
@@ -294,15 +295,42 @@ class Engine:
         once: int | None = None,
         when: Callable[[Engine], bool] | None = None,
         order: int = 50,
-    ) -> Callable[[Callable[[Engine], Any]], Handle]:
-        """Decorator registering a function `fn(engine)` on one event.
+    ) -> Callable[[HookFn], HookFn]:
+        """Decorator registering a function `fn(engine)` on one event; it returns `fn` itself.
+
+        The decorated name stays a plain function (callable, registrable on
+        another engine). For a handle with `remove()`, register with
+        `add_handler`; `remove_handler(fn)` unregisters a decorated function.
 
         Example:
             >>> @engine.on(cadence.Event.ON_STEP_END, every=2)   # doctest: +SKIP
             ... def report(engine):
             ...     print(engine.state.step)
         """
-        return self._bus.on(event, every=every, once=once, when=when, order=order)
+        event = as_event(event)  # an unknown name fails here, before the decorated function
+
+        def register(fn: HookFn) -> HookFn:
+            self._bus.add_function(event, fn, every=every, once=once, when=when, order=order)
+            return fn
+
+        return register
+
+    def add_handler(
+        self,
+        event: Event | str,
+        fn: Callable[[Engine], Any],
+        *,
+        every: int | None = None,
+        once: int | None = None,
+        when: Callable[[Engine], bool] | None = None,
+        order: int = 50,
+    ) -> Handle:
+        """Register `fn(engine)` on one event, as `on` does; returns a handle whose `remove()` unregisters it."""
+        return self._bus.add_function(event, fn, every=every, once=once, when=when, order=order)
+
+    def remove_handler(self, fn: Callable[[Engine], Any], event: Event | str | None = None) -> None:
+        """Unregister `fn`, registered with `on` or `add_handler` (from `event` only, when given)."""
+        self._bus.remove_function(fn, event)
 
     @property
     def callbacks(self) -> tuple[Any, ...]:

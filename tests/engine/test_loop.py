@@ -407,7 +407,7 @@ def test_an_interrupted_fit_is_not_logged_until_the_next_reduction():
         if e.state.step == 5:
             raise KeyboardInterrupt
 
-    handle = engine.on(Event.ON_STEP_END)(interrupt)
+    handle = engine.add_handler(Event.ON_STEP_END, interrupt)
     with pytest.raises(KeyboardInterrupt):
         engine.fit(steps=10)
     assert logged == [(4, {"step": 2.5})]  # no collective on the way out of an interrupt
