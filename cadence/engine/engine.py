@@ -60,7 +60,8 @@ class EngineConfig:
 
     Attributes:
         steps: total optimizer steps that `fit()` trains to (step mode).
-        epochs: total epochs that `fit()` trains to (epoch mode).
+        epochs: total epochs that `fit()` trains to (epoch mode). With both
+            `steps` and `epochs`, `fit()` stops at whichever bound it reaches first.
         grad_accum: micro-batches per optimizer step (gradient accumulation).
         eval_every_epochs: evaluate after every N epochs (None: never at epoch end).
         eval_every_steps: evaluate after every N steps (None: never mid-epoch).
@@ -424,7 +425,8 @@ class Engine:
         """Train for `steps` more steps or `epochs` more epochs.
 
         With neither, train until `config.steps` / `config.epochs` (absolute
-        targets, so a resumed run finishes where it would have). Re-entrant:
+        targets, so a resumed run finishes where it would have). With both,
+        the fit stops at whichever bound it reaches first. Re-entrant:
         `fit(steps=100)` twice trains 200 steps.
         """
         self._check_budget(steps, epochs)

@@ -83,6 +83,21 @@ def test_config_targets_are_absolute():
         engine_with().fit()
 
 
+@pytest.mark.parametrize(
+    ("config", "fit", "step", "epoch"),
+    [
+        ({"steps": 10, "epochs": 2}, {}, 8, 2),  # 4 steps an epoch: the epochs bound comes first
+        ({"steps": 6, "epochs": 2}, {}, 6, 1),  # the steps bound comes first, mid-epoch
+        ({}, {"steps": 10, "epochs": 1}, 4, 1),
+        ({}, {"steps": 3, "epochs": 1}, 3, 0),
+    ],
+)
+def test_steps_and_epochs_together_stop_at_whichever_bound_comes_first(config, fit, step, epoch):
+    engine = engine_with(batches=4, device="cpu", **config)
+    engine.fit(**fit)
+    assert (engine.state.step, engine.state.epoch) == (step, epoch)
+
+
 def test_step_fn_and_model_returning_loss():
     class WithLoss(torch.nn.Module):
         def __init__(self):
