@@ -101,6 +101,21 @@ def test_main_job_leaves_a_run_and_resumes_after_an_interruption(tmp_path):
     assert final_accuracy(second.stdout) == uninterrupted  # the same run, not a new one
 
 
+@pytest.mark.timeout(60)
+def test_a_misspelled_backend_is_one_line_naming_the_closest_and_exit_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "digits.py"), "engine.backend=dpp"],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "config error at 'engine.backend'" in done.stderr and "did you mean 'ddp'?" in done.stderr
+
+
 @pytest.mark.timeout(120)
 def test_compose_example_runs(tmp_path):
     out = run_example("compose.py", tmp_path)

@@ -204,12 +204,14 @@ def check_deepspeed() -> None:
     )
 
 
-def _import_torchft() -> Any:
+def _import_torchft(module: str = "torchft") -> Any:
+    """`torchft` (or one of its modules); missing, an ImportError naming the extra to install."""
+    import importlib
+
     try:
-        import torchft
+        return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"the ft option needs torchft: {_EXTRA_HINT}") from exc
-    return torchft
+        raise ImportError(f"TorchFT fault tolerance needs torchft, which is not installed: {_EXTRA_HINT}") from exc
 
 
 # -- the lighthouse ------------------------------------------------------------------------------
@@ -236,9 +238,7 @@ def local_lighthouse(
         >>> with local_lighthouse(min_replicas=2) as address:   # doctest: +SKIP
         ...     start_replica_groups(lighthouse=address)
     """
-    from torchft.coordination import LighthouseServer
-
-    server = LighthouseServer(
+    server = _import_torchft("torchft.coordination").LighthouseServer(
         bind=bind,
         min_replicas=min_replicas,
         join_timeout_ms=join_timeout_ms,
@@ -289,6 +289,7 @@ class FaultTolerance:
     """
 
     def __init__(self, config: FTConfig) -> None:
+        _import_torchft()  # a missing torchft is named first, before the config or the launch environment
         self.config = config.resolved()
         self.manager: Any = None
         self.commit_failures = 0

@@ -39,6 +39,12 @@ _ON_SAVE_POINT = Event.ON_SAVE_POINT
 _optional_ge0 = attrs.validators.optional(attrs.validators.ge(0))
 
 
+def _known_backend(instance: Any, attribute: Any, value: str) -> None:
+    """attrs validator of `EngineConfig.backend`: a misspelled name is a config error, before anything starts."""
+    if value != "auto" and not registry.backends.is_known(value):
+        raise ValueError(registry.backends.unknown(value))
+
+
 @attrs.define(kw_only=True)
 class EvalSetConfig:
     """One evaluation set's schedule and loader settings (`EngineConfig.eval_sets[split]`).
@@ -95,7 +101,7 @@ class EngineConfig:
     log_interval: int = attrs.field(default=50, validator=attrs.validators.ge(1))
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: str | None = None
-    backend: str = "auto"
+    backend: str = attrs.field(default="auto", validator=_known_backend)
     seed: int | None = None
     deterministic: bool = False
     workspace: str = "runs"

@@ -107,6 +107,21 @@ class Replica:
 # -- unsupported combinations: one clear error each, no lighthouse contacted ----------------------
 
 
+def test_without_torchft_every_way_in_names_the_extra_first(monkeypatch):
+    """No torchft: the lighthouse and the ft option say `pip install 'cadence[ft]'`, before any launch check."""
+    for module in ("torchft", "torchft.coordination"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # outside a launcher
+    from cadence.backends.ft import local_lighthouse
+
+    with pytest.raises(ImportError, match=r"needs torchft, which is not installed: pip install 'cadence\[ft\]'"):
+        with local_lighthouse():
+            pass
+    with pytest.raises(ImportError, match=r"pip install 'cadence\[ft\]'"):
+        DDPBackend(ft={"replica_id": 0, "group_size": 1, "lighthouse": "http://127.0.0.1:9"})
+
+
 def test_ft_config_errors_name_the_input(monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)

@@ -487,8 +487,10 @@ def test_bf16_autocast_on_cpu_and_fp16_needs_cuda():
 
 
 def test_unknown_backend_name_lists_known_ones():
-    with pytest.raises(KeyError, match=r"unknown backend 'tpu'.*local"):
+    with pytest.raises(ValueError, match=r"config error at 'backend'.*unknown backend 'tpu'.*local"):
         engine_with(backend="tpu")
+    with pytest.raises(ValueError, match=r"unknown backend 'dpp'; did you mean 'ddp'\? known backends: ddp, "):
+        engine_with(backend="dpp")
 
 
 def test_step_events_nobody_listens_to_cost_no_fire_call():
