@@ -77,9 +77,13 @@ _OPTIONAL = (
     ("torchft", ("torchft-nightly", "torchft"), "ft"),
     ("submitit", ("submitit",), "slurm"),
     ("matplotlib", ("matplotlib",), "plot"),
+    ("torchmetrics", ("torchmetrics",), "metrics"),
     ("scikit-learn", ("scikit-learn",), "examples"),
 )
-_CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm")
+# pyproject.toml's dependencies besides torch (shown above them); tests/test_cli.py compares the two.
+_CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm", "xxhash", "numpy") + (
+    ("tomli",) if sys.version_info < (3, 11) else ()
+)
 
 
 def _version(*distributions: str) -> str | None:
@@ -111,11 +115,7 @@ def _info(args: argparse.Namespace) -> int:
         f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
         "",
         "dependencies:",
-        *_table(
-            [(name, _version(name) or "MISSING", "") for name in _CORE]
-            # not a dependency: seeded, and its RNG checkpointed, when the user has it
-            + [("numpy", _version("numpy") or "not installed", "(optional: seeded and checkpointed when installed)")]
-        ),
+        *_table([(name, _version(name) or "MISSING", "") for name in _CORE]),
         "",
         "optional dependencies:",
         *_table(
