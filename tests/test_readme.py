@@ -23,8 +23,11 @@ def test_readme_python_blocks_run(capsys):
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
     engine = namespace["engine"]
-    assert engine.state.step > 0
-    assert "epoch 5" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "epoch 5: loss" in out
+    stopped = int(re.search(r"stopped at step (\d+) of 1000", out).group(1))
+    assert 0 < stopped < 1000  # StopAtLoss stopped it early: the data is learnable
+    assert engine.state.step == stopped + 10  # and the second fit continued from there
 
 
 def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_command():
