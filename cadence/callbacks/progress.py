@@ -215,10 +215,17 @@ class ProgressBar(Callback):
 
     def _show_postfix(self) -> None:
         if self._unshown:
-            self._postfix.update({short_name(name): _format(value) for name, value in self._unshown.items()})
+            self._postfix.update({name: format_value(value) for name, value in self._unshown.items()})
             self._unshown.clear()
         if self.bar is not None and self._postfix:
-            self.bar.set_postfix(self._postfix, refresh=False)
+            # In the order of `metrics`; what does not fit the terminal is left out from the end, whole:
+            # tqdm would cut the line, and a cut number reads as another one (`2.553e+04` as `2.553`).
+            shown = [(short_name(name), self._postfix[name]) for name in self.config.metrics if name in self._postfix]
+            while True:  # separated by spaces, as in the text lines (tqdm's own ", " costs columns)
+                self.bar.set_postfix_str(" ".join(f"{name}={value}" for name, value in shown), refresh=False)
+                if not shown or _fits(self.bar):
+                    break
+                shown.pop()
 
     def _offer_line(self, engine: Engine, values: dict[str, Any]) -> None:
         state, now, in_eval = engine.state, time.perf_counter(), self._in_eval
@@ -244,7 +251,7 @@ class ProgressBar(Callback):
         timing = f"elapsed {_clock(elapsed)}"
         if done > 0 and math.isfinite(stop_step):
             timing += f" eta {_clock(elapsed / done * max(0, stop_step - step))}"
-        metrics = " ".join(f"{short_name(k)}={_format(v)}" for k, v in values.items())
+        metrics = " ".join(f"{short_name(k)}={format_value(v)}" for k, v in values.items())
         return f"{where} | {metrics} | {timing}\n" if metrics else f"{where} | {timing}\n"
 
     # -- the bar ----------------------------------------------------------------
@@ -314,8 +321,28 @@ def short_name(name: str) -> str:
     return name.replace("_per_sec", "/s")
 
 
-def _format(value: Any) -> str:
+def _fits(bar: Any) -> bool:
+    """Whether the bar's line, with its postfix and a bar at least one cell wide, fits its terminal."""
+    from tqdm.utils import disp_len
+
+    state = bar.format_dict  # measures the terminal again under dynamic_ncols
+    ncols = state["ncols"]
+    if not ncols:
+        return True
+    if state["total"]:  # ncols=0: the line without its bar and the bar's two edges
+        return disp_len(bar.format_meter(**{**state, "ncols": 0})) + 3 <= ncols
+    return disp_len(bar.format_meter(**{**state, "ncols": None})) <= ncols
+
+
+_UNITS = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+
+
+def format_value(value: Any) -> str:
+    """A logged value, short: 4 significant digits, and from 10,000 on in human units (`25.5k`, `1.2M`)."""
     if isinstance(value, float):
+        if math.isfinite(value) and abs(value) >= 1e4:  # where `.4g` turns to `2.553e+04`
+            suffix, scale = next((unit for unit in _UNITS if abs(value) >= unit[1]), _UNITS[-1])
+            return f"{value / scale:.3g}{suffix}"
         return f"{value:.4g}"
     return str(value)
 
