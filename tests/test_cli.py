@@ -153,6 +153,25 @@ def test_info_lists_versions_devices_backends_and_callbacks():
     assert any(line.split()[:2] == ["checkpoint", "cadence.callbacks.checkpoint:Checkpoint"] for line in lines)
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["cadence", "--help"], ["cadence", "info"], ["examples/digits.py", "--help"], ["examples/lm.py", "--help"]],
+    ids=" ".join,
+)
+def test_output_into_a_closed_pipe_ends_quietly(command):
+    """`... | head`: the reader may close the pipe before the output is written; no BrokenPipeError then."""
+    program = [str(CADENCE)] if command[0] == "cadence" else [sys.executable, str(REPO / command[0])]
+    read, write = os.pipe()
+    os.close(read)  # a reader that already left
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        done = subprocess.run([*program, *command[1:]], stdout=write, stderr=subprocess.PIPE, text=True, env=env,
+                              timeout=60, check=False)  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
 def declared() -> tuple[list[str], list[str]]:
     """pyproject.toml's dependencies that apply here (besides torch), and its extras for features."""
     import tomllib
