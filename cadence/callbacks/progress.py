@@ -135,9 +135,7 @@ class ProgressBar(Callback):
     def _use_lines(self) -> bool:
         if self.config.mode != "auto":
             return self.config.mode == "lines"
-        from tqdm import auto
-
-        if any(cls.__module__ == "tqdm.notebook" for cls in auto.tqdm.__mro__):  # a notebook widget bar
+        if _in_notebook() or _is_widget(_bar_class()):  # a widget, or a text bar Jupyter draws
             return False
         isatty = getattr(self._stream(), "isatty", None)
         return not (callable(isatty) and isatty())
@@ -261,8 +259,7 @@ class ProgressBar(Callback):
         return not math.isfinite(stop_step) and math.isfinite(stop_epoch)
 
     def _open(self, engine: Engine) -> None:
-        from tqdm.auto import tqdm
-
+        tqdm = _bar_class()
         state = engine.state
         stop_step, stop_epoch = engine.fit_target
         if self._epoch_mode(engine):  # the bar stands at the steps done in the epoch
@@ -319,6 +316,30 @@ def short_name(name: str) -> str:
     if name.startswith("throughput."):
         name = name[len("throughput.") :]
     return name.replace("_per_sec", "/s")
+
+
+def _bar_class() -> Any:
+    """tqdm.auto's bar: a widget in a notebook with ipywidgets, tqdm's text bar elsewhere.
+
+    In a notebook without ipywidgets tqdm.auto warns at import (`TqdmWarning: IProgress
+    not found`) and gives its text bar: the bar Cadence wants there (Jupyter draws its
+    carriage returns), so the warning, which the user did not cause, is left out.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from tqdm import auto
+    return auto.tqdm
+
+
+def _in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (notebook, JupyterLab, VS Code): output shows as it is drawn."""
+    return "ipykernel.zmqshell" in sys.modules
+
+
+def _is_widget(cls: type) -> bool:
+    return any(base.__module__ == "tqdm.notebook" for base in cls.__mro__)
 
 
 def _fits(bar: Any) -> bool:
