@@ -318,6 +318,21 @@ def test_restore_prefers_the_replica_data_position_and_healing_keeps_it(scenario
     assert steps0[0]["participants"] == steps1[0]["participants"] == 2
 
 
+@needs_torchft
+def test_torchft_logs_only_warnings_and_errors_by_default(scenarios):
+    """Two groups that quorum, commit and heal at every step: no INFO line per quorum and commit.
+
+    What is left is torch's one-time C++ warning about TorchFT's DDP (`find_unused_parameters=True`, which
+    TorchFT sets so that replica groups keep equal gradient buckets): docs/fault-tolerance.md says so.
+    """
+    for name in ("refused", "first0", "first1", "again0", "again1"):
+        log = scenarios[name].log.read_text().splitlines()
+        noise = [line for line in log if "find_unused_parameters=True" not in line]
+        assert not [line for line in noise if "[INFO]" in line or " INFO " in line], (name, noise[:5])
+        assert not [line for line in noise if "NCCL flight recorder" in line or "buffer is not writable" in line]
+        assert len(noise) <= 3, (name, noise)  # was ~130-250 lines a group for a few steps
+
+
 # -- the slow one: SIGKILL, restart, heal ---------------------------------------------------------
 
 
