@@ -102,6 +102,20 @@ def test_getting_started_shows_the_readme_commands():
     assert len(readme) == 2 and all(command in index for command in readme)
 
 
+def test_the_front_page_names_every_backend():
+    intro = " ".join((DOCS / "index.md").read_text().split("\n## ", 1)[0].split())
+    shipped = {"local": "one process", "ddp": "DDP", "mesh": "mesh", "deepspeed": "DeepSpeed", "ft": "TorchFT"}
+    assert [shipped[name] for name in shipped if shipped[name] not in intro] == []
+
+
+@pytest.mark.parametrize("page", ["concepts.md", "backends.md", "checkpoints.md"])
+def test_pages_open_with_the_tasks_and_keep_internals_under_their_own_heading(page):
+    text = (DOCS / page).read_text()
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert "How do I..." in text.split("\n## ", 1)[0], f"docs/{page} does not open with what a user does"
+    assert "Internals" in headings, f"docs/{page} has no Internals section"
+
+
 def test_every_page_of_the_nav_exists_and_every_page_is_in_the_nav():
     nav = re.findall(r":\s*([\w-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
     missing = [name for name in nav if not (DOCS / name).exists()]
