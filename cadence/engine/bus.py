@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 import heapq
 import itertools
-import sys
 import types
-import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from cadence.engine.callback import Callback, overridden_hooks
+from cadence.engine.callback import Callback, overridden_hooks, warn_misspelled_hooks
 from cadence.engine.events import Event
 
 if TYPE_CHECKING:
@@ -227,7 +224,7 @@ class EventBus:
             self._rebuild()
             raise
         if not isinstance(callback, FunctionHandler):
-            _warn_misspelled_hooks(callback)
+            warn_misspelled_hooks(callback, key)
         return Handle(self, callback)
 
     def remove(self, callback: Any) -> None:
@@ -406,33 +403,6 @@ class _Instrumented:
                 raise
             except Exception as exc:
                 _raise_hook_failure(engine, self.bus, hook, self.event, exc)
-
-
-_EVENT_NAMES = tuple(e.value for e in Event)
-
-
-def _warn_misspelled_hooks(callback: Any) -> None:
-    """Warn about methods named like a hook (`on_...`) that no event calls: a misspelled hook is never called."""
-    cls = type(callback)
-    for name in dir(cls):
-        if not name.startswith("on_") or name in _EVENT_NAMES or not callable(getattr(cls, name, None)):
-            continue
-        close = difflib.get_close_matches(name, _EVENT_NAMES, n=1)
-        hint = f"did you mean {close[0]}?" if close else f"hooks are named {', '.join(_EVENT_NAMES)}"
-        warnings.warn(
-            f"callback {callback_key(callback)!r} has a method {name}() that no event calls: {hint} "
-            "(a hook is a method named after a cadence.Event value; rename this one if it is not meant as a hook)",
-            UserWarning,
-            stacklevel=_user_stacklevel(),
-        )
-
-
-def _user_stacklevel() -> int:
-    """The `stacklevel` of the first frame outside cadence, so a warning points at the user's line."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("cadence."):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def as_event(event: Event | str) -> Event:
