@@ -1,7 +1,7 @@
 """What a user gets from the wheel alone: a save, a resume and a 2-rank fit.
 
 Run by `.ci/wheel` in a fresh venv holding torch and the built wheel with only
-its declared dependencies (no numpy, no [dev] extras), from outside the
+its declared dependencies (no [dev] extras), from outside the
 repository so the installed package is the one imported. Exits non-zero on
 any failure.
 """

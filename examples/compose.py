@@ -62,7 +62,7 @@ def main() -> None:
     engine.fit(steps=50)  # continues at step 50
     print("after 100 steps:", engine.evaluate(), "best:", best.best)
 
-    progress.remove()  # the handle unregisters it
+    engine.remove_handler(progress)  # the decorator returned the function itself; this unregisters it
     engine.fit(epochs=3)
     print(f"after {engine.state.step} steps / {engine.state.epoch} epochs:", engine.evaluate())
     print("callbacks in order:", engine.callbacks)

@@ -21,6 +21,7 @@ import attrs
 import torch
 from torch import nn
 from torch.nn import functional as F
+from tqdm import tqdm
 
 import cadence
 from cadence.callbacks import Checkpoint
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> float:
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     train, val = digits_datasets()
+    checkpoint = Checkpoint(auto_resume=True)
     engine = cadence.Engine(
         model,
         optimizer,
@@ -90,27 +92,40 @@ def main(argv: list[str] | None = None) -> float:
         eval_data=val,
         # Metrics, a progress bar, metrics.jsonl and the log, and a checkpoint every
         # epoch from which a second start of the same run (same code and config) resumes.
-        callbacks=[*default_callbacks(), Checkpoint(auto_resume=True)],
+        callbacks=[*default_callbacks(), checkpoint],
         config=cfg.engine,
         run_config=cfg,
     )
 
+    # Lines printed while the progress bar is open go through tqdm.write: above the bar, not into it.
     @engine.on(cadence.Event.ON_FIT_START, when=lambda engine: engine.backend.is_main)
     def announce(engine: cadence.Engine) -> None:
         if engine.restored_from is not None:
-            print(f"resumed from step {engine.state.step} (epoch {engine.state.epoch}): {engine.restored_from}")
-        print(f"run directory: {engine.run_dir}")
+            tqdm.write(f"resumed from step {engine.state.step} (epoch {engine.state.epoch}): {engine.restored_from}")
+        tqdm.write(f"run directory: {engine.run_dir}")
 
     # Evaluation metrics are already reduced across ranks: print them once.
     @engine.on(cadence.Event.ON_EVAL_END, when=lambda engine: engine.backend.is_main)
     def report(engine: cadence.Engine) -> None:
         val = engine.eval_results["val"]
-        print(
+        tqdm.write(
             f"epoch {engine.state.epoch:3d}  step {engine.state.step:5d}  val.loss {val['val.loss']:.4f}  val.accuracy {val['val.accuracy']:.4f}"
         )
 
     start = time.perf_counter()
-    engine.fit()
+    try:
+        engine.fit()
+    except KeyboardInterrupt:
+        engine.close()
+        if engine.backend.is_main:
+            saved = checkpoint.last_saved is not None or engine.restored_from is not None
+            print(
+                "interrupted: run the same command again to resume from the last checkpoint"
+                if saved
+                else "interrupted before the first checkpoint: the same command starts the run over",
+                file=sys.stderr,
+            )
+        raise SystemExit(130) from None
     if "val" not in engine.eval_results:  # resumed at its end: nothing left to train
         engine.evaluate()
     engine.close()
@@ -122,8 +137,4 @@ def main(argv: list[str] | None = None) -> float:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("interrupted: run the same command again to resume from the last checkpoint", file=sys.stderr)
-        sys.exit(130)
+    main()

@@ -651,7 +651,10 @@ def train(cfg: LMConfig) -> dict[str, float]:
     start = time.perf_counter()
     with engine:
         engine.fit()
-        results = engine.evaluate()
+        # The schedule may have evaluated the last step already: its results, not a second evaluation.
+        every = cfg.engine.eval_every_steps
+        evaluated = every is not None and engine.state.step % every == 0 and "val" in engine.eval_results
+        results = engine.eval_results["val"] if evaluated else engine.evaluate()
         if engine.backend.is_main:
             tokens = engine.state.tokens_seen * engine.backend.data_size
             elapsed = time.perf_counter() - start

@@ -158,6 +158,54 @@ def test_info_lists_versions_devices_backends_and_callbacks():
     assert any(line.split()[:2] == ["checkpoint", "cadence.callbacks.checkpoint:Checkpoint"] for line in lines)
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["cadence", "--help"], ["cadence", "info"], ["examples/digits.py", "--help"], ["examples/lm.py", "--help"]],
+    ids=" ".join,
+)
+def test_output_into_a_closed_pipe_ends_quietly(command):
+    """`... | head`: the reader may close the pipe before the output is written; no BrokenPipeError then."""
+    program = [str(CADENCE)] if command[0] == "cadence" else [sys.executable, str(REPO / command[0])]
+    read, write = os.pipe()
+    os.close(read)  # a reader that already left
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        done = subprocess.run([*program, *command[1:]], stdout=write, stderr=subprocess.PIPE, text=True, env=env,
+                              timeout=60, check=False)  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def declared() -> tuple[list[str], list[str]]:
+    """pyproject.toml's dependencies that apply here (besides torch), and its extras for features."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(line) for line in project["dependencies"]]
+    names = [r.name.lower() for r in requirements if r.marker is None or r.marker.evaluate()]
+    extras = [extra for extra in project["optional-dependencies"] if extra not in ("docs", "dev", "all")]
+    return [name for name in names if name != "torch"], extras
+
+
+def test_info_lists_exactly_the_dependencies_and_extras_of_pyproject():
+    out = cli("info").stdout.splitlines()
+    dependencies, extras = declared()
+    start, end = out.index("dependencies:"), out.index("optional dependencies:")
+    assert sorted(line.split()[0] for line in out[start + 1 : end] if line.strip()) == sorted(dependencies)
+    assert "numpy" in dependencies and "xxhash" in dependencies
+    optional = "\n".join(out[end:])
+    assert [extra for extra in extras if f"cadence[{extra}]" not in optional] == []
+
+
+def test_getting_started_names_every_required_dependency():
+    text = (REPO / "docs" / "index.md").read_text()
+    sentence = " ".join(text.split("The required dependencies are ", 1)[1].split(".", 1)[0].split()).lower()
+    dependencies, _ = declared()
+    assert [name for name in ["torch", *dependencies] if name != "tomli" and name not in sentence] == []
+
+
 class OpensRunDir(cadence.Callback):
     def __init__(self, fail_at: int | None = None) -> None:
         self.fail_at = fail_at

@@ -1,4 +1,5 @@
-"""Cadence needs only its declared dependencies: no numpy (the wheel's fresh-venv run is .ci/wheel)."""
+"""Cadence runs with numpy missing (declared since torch warns without it, but only used when importable);
+the wheel's fresh-venv run with only the declared dependencies is .ci/wheel."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # numpy made unimportable before torch loads: torch then has no numpy support,
-# as in a venv holding only torch and Cadence's dependencies.
+# as in a venv where numpy was removed after installing Cadence.
 WITHOUT_NUMPY = textwrap.dedent(
     """
     import sys

@@ -1,10 +1,12 @@
 """The docs run: code blocks of docs/*.md, docstring examples of cadence, and `mkdocs build --strict`.
 
 Convention for docs pages: every ```python block runs, in order, in one
-namespace per page, in a temporary working directory. A block that is not
-meant to run (a fragment with `...`, a SLURM submission) is marked with an
-HTML comment `<!-- skip -->` on the line before its fence, or uses another
-fence (```text, ```bash, ```toml).
+namespace per page, in a temporary working directory. A block that is a
+script's file (one that later blocks start as a process) is marked
+`<!-- file: train.py -->` on the line before its fence: it is written to that
+file in the working directory instead of run. A block that cannot run here (a
+SLURM submission, a GPU) is marked `<!-- skip: why -->`, the reason required;
+text that is not Python uses another fence (```text, ```bash, ```toml).
 """
 
 from __future__ import annotations
@@ -26,21 +28,43 @@ import cadence
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
-FENCE = re.compile(r"(?P<skip><!--\s*skip\s*-->\s*\n)?^```python[^\n]*\n(?P<code>.*?)^```\s*$", re.S | re.M)
+FENCE = re.compile(
+    r"(?:<!--\s*(?P<marker>skip|file)\b:?(?P<argument>[^>]*?)\s*-->\s*\n)?^```python[^\n]*\n(?P<code>.*?)^```\s*$",
+    re.S | re.M,
+)
 MODULES = sorted(m.name for m in pkgutil.walk_packages(cadence.__path__, "cadence."))
 
 
-def python_blocks(text: str) -> list[tuple[int, str, bool]]:
-    """(line, code, skipped) for each ```python block of a page."""
+def python_blocks(text: str) -> list[tuple[int, str, str | None, str]]:
+    """(line, code, marker, argument) for each ```python block of a page; marker None, "skip" or "file"."""
     return [
-        (text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("skip") is not None)
+        (
+            text.count("\n", 0, m.start("code")) + 1,
+            m.group("code"),
+            m.group("marker"),
+            (m.group("argument") or "").strip(),
+        )
         for m in FENCE.finditer(text)
     ]
 
 
-def test_blocks_are_found_and_skip_markers_are_honoured():
-    text = "a\n```python\nx = 1\n```\n<!-- skip -->\n```python\nraise SystemExit\n```\n```text\ny\n```\n"
-    assert python_blocks(text) == [(3, "x = 1\n", False), (7, "raise SystemExit\n", True)]
+def test_blocks_are_found_and_markers_are_honoured():
+    text = (
+        "a\n```python\nx = 1\n```\n<!-- skip: needs SLURM -->\n```python\nraise SystemExit\n```\n```text\ny\n```\n"
+        "<!-- file: train.py -->\n```python\nprint(1)\n```\n"
+    )
+    assert python_blocks(text) == [
+        (3, "x = 1\n", None, ""),
+        (7, "raise SystemExit\n", "skip", "needs SLURM"),
+        (14, "print(1)\n", "file", "train.py"),
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_a_block_that_does_not_run_says_why(page):
+    """Every skipped block names its reason; every file block names its file."""
+    bare = [line for line, _, marker, argument in python_blocks(page.read_text()) if marker and not argument]
+    assert not bare, f"docs/{page.name}: blocks at lines {bare} are marked without a reason (<!-- skip: why -->)"
 
 
 @pytest.mark.timeout(300)
@@ -48,8 +72,11 @@ def test_blocks_are_found_and_skip_markers_are_honoured():
 def test_docs_code_blocks_run(page, tmp_path, monkeypatch, cpu_default_device):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
-    for line, code, skipped in python_blocks(page.read_text()):
-        if skipped:
+    for line, code, marker, argument in python_blocks(page.read_text()):
+        if marker == "skip":
+            continue
+        if marker == "file":  # a script that later blocks run
+            (tmp_path / argument).write_text(code)
             continue
         try:
             # dont_inherit: this file's `from __future__ import annotations` must not leak into the page's code.
@@ -57,7 +84,7 @@ def test_docs_code_blocks_run(page, tmp_path, monkeypatch, cpu_default_device):
         except Exception as exc:
             raise AssertionError(
                 f"docs/{page.name}, the python block at line {line} failed: {type(exc).__name__}: {exc}. "
-                "Fix the example, or mark a block that is not meant to run with <!-- skip --> before its fence."
+                "Fix the example, or mark a block that cannot run here with <!-- skip: why --> before its fence."
             ) from exc
 
 
@@ -73,6 +100,20 @@ def test_getting_started_shows_the_readme_commands():
     readme = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)[:2]
     index = (DOCS / "index.md").read_text()
     assert len(readme) == 2 and all(command in index for command in readme)
+
+
+def test_the_front_page_names_every_backend():
+    intro = " ".join((DOCS / "index.md").read_text().split("\n## ", 1)[0].split())
+    shipped = {"local": "one process", "ddp": "DDP", "mesh": "mesh", "deepspeed": "DeepSpeed", "ft": "TorchFT"}
+    assert [shipped[name] for name in shipped if shipped[name] not in intro] == []
+
+
+@pytest.mark.parametrize("page", ["concepts.md", "backends.md", "checkpoints.md"])
+def test_pages_open_with_the_tasks_and_keep_internals_under_their_own_heading(page):
+    text = (DOCS / page).read_text()
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert "How do I..." in text.split("\n## ", 1)[0], f"docs/{page} does not open with what a user does"
+    assert "Internals" in headings, f"docs/{page} has no Internals section"
 
 
 def test_every_page_of_the_nav_exists_and_every_page_is_in_the_nav():

@@ -58,6 +58,9 @@ def test_the_notebook_runs_top_to_bottom(kernel, tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "interrupted at step" in text and "continued from step" in text
+    # Without ipywidgets the progress bar is tqdm's text bar, not a widget bar that warns and falls back.
+    assert "IProgress not found" not in text and "TqdmWarning" not in text, text[-3000:]
+    assert "step/s" in text, "no progress bar was drawn"
     assert "2 processes:" in text
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plot was not displayed"
     assert list((workdir / "runs").rglob("metrics.jsonl")), "the engine wrote no metrics into the notebook's folder"

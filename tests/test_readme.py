@@ -23,8 +23,11 @@ def test_readme_python_blocks_run(capsys, cpu_default_device):
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
     engine = namespace["engine"]
-    assert engine.state.step > 0
-    assert "epoch 5" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "epoch 5: loss" in out
+    stopped = int(re.search(r"stopped at step (\d+) of 1000", out).group(1))
+    assert 0 < stopped < 1000  # StopAtLoss stopped it early: the data is learnable
+    assert engine.state.step == stopped + 10  # and the second fit continued from there
 
 
 def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_command():
@@ -99,6 +102,46 @@ def test_main_job_leaves_a_run_and_resumes_after_an_interruption(tmp_path):
     assert resumed, second.stdout
     assert 0 < int(resumed.group(1)) < 460 and 4 <= int(resumed.group(2)) <= 5
     assert final_accuracy(second.stdout) == uninterrupted  # the same run, not a new one
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_before_the_first_checkpoint_says_so_and_leaves_no_empty_log(tmp_path):
+    # Batches of one: the first epoch (and its checkpoint) is 1,437 steps away when the run directory is printed.
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "digits.py"), "engine.train.batch_size=1"],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    for line in first.stdout:
+        if line.startswith("run directory: "):
+            first.send_signal(signal.SIGINT)
+            break
+    _, err = first.communicate(timeout=100)
+    assert first.returncode == 130, err[-2000:]
+    assert "interrupted before the first checkpoint: the same command starts the run over" in err, err[-2000:]
+    assert "resume from the last checkpoint" not in err and "Traceback" not in err
+    (run,) = (tmp_path / "runs").glob("*/*")
+    assert not (run / "checkpoints" / "latest").exists()
+    assert [path.name for path in (run / "logs").glob("*.log") if path.stat().st_size == 0] == []
+
+
+@pytest.mark.timeout(60)
+def test_a_misspelled_backend_is_one_line_naming_the_closest_and_exit_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "digits.py"), "engine.backend=dpp"],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "config error at 'engine.backend'" in done.stderr and "did you mean 'ddp'?" in done.stderr
 
 
 @pytest.mark.timeout(120)

@@ -48,6 +48,18 @@ if TYPE_CHECKING:
 QUIET_STEPS = 2**31 - 1
 
 
+def _clipping_conflict(max_norm: float, norm_type: float, configured: Any) -> str | None:
+    """Why DeepSpeed cannot clip as a callback asks (its `clipping`: max_norm, norm_type), or None."""
+    if norm_type != 2.0:
+        return f"DeepSpeed clips by the 2-norm only; GradClip(norm_type={norm_type!r}) asks for another"
+    if configured and configured != max_norm:
+        return (
+            f"GradClip(max_norm={max_norm}) and the DeepSpeed config's gradient_clipping={configured} disagree; "
+            "set one of them"
+        )
+    return None
+
+
 @attrs.define(kw_only=True)
 class DeepSpeedConfig:
     """How the DeepSpeed backend configures DeepSpeed.
@@ -157,6 +169,12 @@ class DeepSpeedBackend(DDPBackend):
         self.ds_config = build_config(
             self.options, self.precision_name, engine.config.grad_accum, engine.config.train.batch_size
         )
+        for callback in engine.callbacks:  # a clipping callback (GradClip) that DeepSpeed cannot follow: now
+            clipping = getattr(callback, "clipping", None)  # (max_norm, norm_type)
+            if clipping is not None:
+                conflict = _clipping_conflict(clipping[0], clipping[1], self.ds_config.get("gradient_clipping"))
+                if conflict:
+                    raise ValueError(f"DeepSpeedBackend: {conflict}")
         if self._fp16_in(self.ds_config) and not torch.cuda.is_available():
             raise ValueError(
                 "DeepSpeedBackend: the DeepSpeed config enables fp16 (fp16.enabled) but there is no CUDA device; "
@@ -283,15 +301,18 @@ class DeepSpeedBackend(DDPBackend):
     def _step(self) -> bool | None:
         ds = self.ds
         ds.step()
+        applied = ds.was_step_applied()
         norm = self._norm
         if norm is not None and self._clip is not None:
             value = ds.get_global_grad_norm() if self._zero0_norm is None else self._zero0_norm
             self._zero0_norm = None
-            if isinstance(value, torch.Tensor):
+            if not applied:  # DeepSpeed's own skip: it computed no norm (get_global_grad_norm() reads inf)
+                norm.fill_(math.nan)
+            elif isinstance(value, torch.Tensor):
                 norm.copy_(value.detach().reshape(()))
             else:
                 norm.fill_(math.nan if value is None else float(value))
-        return None if ds.was_step_applied() else False
+        return None if applied else False
 
     def optimizer_step(self, engine: Engine) -> bool | None:
         return self._step()
@@ -315,18 +336,11 @@ class DeepSpeedBackend(DDPBackend):
         global 2-norm over all gradients (after its reduction) once
         `optimizer_step` ran; NaN for a skipped step. Only the 2-norm.
         """
-        if norm_type != 2.0:
-            raise ValueError(
-                f"DeepSpeedBackend clips by the 2-norm only; GradClip(norm_type={norm_type!r}) asks for another"
-            )
         ds = self.ds
-        if self._clip != max_norm:
-            configured = self.ds_config.get("gradient_clipping")
-            if configured and configured != max_norm:
-                raise ValueError(
-                    f"GradClip(max_norm={max_norm}) and the DeepSpeed config's gradient_clipping={configured} disagree; "
-                    "set one of them"
-                )
+        if self._clip != max_norm or norm_type != 2.0:
+            conflict = _clipping_conflict(max_norm, norm_type, self.ds_config.get("gradient_clipping"))
+            if conflict:  # checked at setup for the callbacks registered then; here for one added later
+                raise ValueError(f"DeepSpeedBackend: {conflict}")
             ds._config.gradient_clipping = max_norm
             if hasattr(ds.optimizer, "clip_grad"):
                 ds.optimizer.clip_grad = max_norm

@@ -51,6 +51,7 @@ import re
 import socket
 import time
 import urllib.request
+import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard
@@ -205,12 +206,76 @@ def check_deepspeed() -> None:
     )
 
 
-def _import_torchft() -> Any:
+#: TorchFT's Python loggers: its Manager's, and one each for quorums, commits and errors.
+TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+
+
+def import_torchft(module: str = "torchft") -> Any:
+    """`torchft` (or one of its modules), its logs at warnings and errors; missing, an ImportError naming the extra.
+
+    TorchFT logs every quorum and commit of every step at INFO (hundreds of lines for a
+    short run): its Rust side is set to `warn` unless `RUST_LOG` is set, when torchft is
+    first imported here (importing torchft earlier yourself keeps its default), and its
+    Python loggers to WARNING (`quiet_torchft_logs`).
+    """
+    import importlib
+    import sys
+
+    first = "torchft" not in sys.modules
     try:
-        import torchft
+        with _rust_log_default("warn") if first else contextlib.nullcontext():
+            imported = importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"the ft option needs torchft: {_EXTRA_HINT}") from exc
-    return torchft
+        raise ImportError(f"TorchFT fault tolerance needs torchft, which is not installed: {_EXTRA_HINT}") from exc
+    quiet_torchft_logs()
+    return imported
+
+
+@contextlib.contextmanager
+def _rust_log_default(level: str) -> Iterator[None]:
+    """`RUST_LOG=level` while TorchFT's Rust extension loads (it reads it then), unless the user set RUST_LOG.
+
+    Its default is INFO: a line for every quorum and commit of every step, from every
+    replica group and the lighthouse. Only this import sees the variable: child processes
+    and other Rust libraries do not.
+    """
+    if "RUST_LOG" in os.environ:
+        yield
+        return
+    os.environ["RUST_LOG"] = level
+    try:
+        yield
+    finally:
+        os.environ.pop("RUST_LOG", None)
+
+
+def quiet_torchft_logs() -> None:
+    """TorchFT's Python loggers at WARNING, unless given a level already; drop warnings the user cannot act on.
+
+    Turn them up with `logging.getLogger("torchft").setLevel(logging.INFO)` (and
+    `torchft_quorums`, `torchft_commits`), and the Rust side's with `RUST_LOG=info`
+    in the environment (docs/fault-tolerance.md).
+    """
+    import torch.distributed as dist
+
+    for name in TORCHFT_LOGGERS:
+        found = logging.getLogger(name)
+        if found.level == logging.NOTSET:
+            found.setLevel(logging.WARNING)
+    manager = logging.getLogger("torchft.manager")
+    if not dist.is_nccl_available() and not any(isinstance(f, _NoNcclFlightRecorder) for f in manager.filters):
+        manager.addFilter(_NoNcclFlightRecorder())
+    # Healing reads the peer's state from a read-only buffer; torch warns once that it could be written.
+    warnings.filterwarnings(
+        "ignore", "The given buffer is not writable", UserWarning, r"torch\.distributed\._serialization"
+    )
+
+
+class _NoNcclFlightRecorder(logging.Filter):
+    """Drops TorchFT's warning that it cannot reset NCCL's flight recorder, on a torch build without NCCL."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in record.getMessage()
 
 
 # -- the lighthouse ------------------------------------------------------------------------------
@@ -237,9 +302,7 @@ def local_lighthouse(
         >>> with local_lighthouse(min_replicas=2) as address:   # doctest: +SKIP
         ...     start_replica_groups(lighthouse=address)
     """
-    from torchft.coordination import LighthouseServer
-
-    server = LighthouseServer(
+    server = import_torchft("torchft.coordination").LighthouseServer(
         bind=bind,
         min_replicas=min_replicas,
         join_timeout_ms=join_timeout_ms,
@@ -290,6 +353,7 @@ class FaultTolerance:
     """
 
     def __init__(self, config: FTConfig) -> None:
+        import_torchft()  # a missing torchft is named first, before the config or the launch environment
         self.config = config.resolved()
         self.manager: Any = None
         self.commit_failures = 0
@@ -363,7 +427,7 @@ class FaultTolerance:
 
     def start(self, engine: Engine, group_rank: int, group_world: int, device_type: str) -> None:
         """Create the cross-group process group and the Manager (rank 0 starts the group's Manager server)."""
-        torchft = _import_torchft()
+        torchft = import_torchft()
         config = self.config
         self._engine, self.group_rank, self.group_world = engine, group_rank, group_world
         kind = config.process_group or ("nccl" if device_type == "cuda" else "gloo")
@@ -707,6 +771,6 @@ def from_local_shards(tree: Any, specs: Mapping[str, Any], spec: Any = None) -> 
 
 def wrap_ddp(manager: Any, module: torch.nn.Module, **options: Any) -> torch.nn.Module:
     """TorchFT's DistributedDataParallel: gradients all-reduced across replica groups through the Manager."""
-    torchft = _import_torchft()
+    torchft = import_torchft()
     options.pop("find_unused_parameters", None)  # TorchFT sets it (it keeps the buckets from being rebuilt)
     return torchft.DistributedDataParallel(manager, module, **options)

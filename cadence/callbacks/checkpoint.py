@@ -267,7 +267,7 @@ class Checkpoint(Callback):
                 self._writer = AsyncWriter(self._commit, supersede=not self._collective, share=config.async_write_share)
             self._writer.start()
             if self._reserving is None and not self._writer.staged:
-                self._reserving = engine.on(Event.ON_STEP_END)(self._reserve_staging)
+                self._reserving = engine.add_handler(Event.ON_STEP_END, self._reserve_staging)
 
     def _reserve_staging(self, engine: Engine) -> None:
         """Once, at the first step's end (the optimizers' state exists then): the first async save's staging

@@ -93,6 +93,11 @@ class GradClip(Callback):
         self._norm: torch.Tensor | None = None
         self._collector: Collector | None = None
 
+    @property
+    def clipping(self) -> tuple[float, float]:
+        """`(max_norm, norm_type)`: a backend that clips inside its own step (DeepSpeed) checks it at setup."""
+        return (self.config.max_norm, self.config.norm_type)
+
     def on_fit_start(self, engine: Engine) -> None:
         if self.config.log and self._collector is None:
             self._collector = engine.metrics.add_collector(partial(self._log_norm, engine))

@@ -187,12 +187,12 @@ class TrainMetrics(Callback):
         self._loss_at_reduction = config.loss and not config.loss_mean and not accumulating
         self._loss_step = -1
         if config.loss and accumulating:
-            self._handles.append(engine.on(Event.ON_FORWARD, order=self.order)(self._keep_loss))
+            self._handles.append(engine.add_handler(Event.ON_FORWARD, self._keep_loss, order=self.order))
         elif config.loss_mean and config.loss:
-            self._handles.append(engine.on(Event.ON_STEP_END, order=self.order)(self._keep_loss))
+            self._handles.append(engine.add_handler(Event.ON_STEP_END, self._keep_loss, order=self.order))
         if config.timing and config.data_wait:
-            self._handles.append(engine.on(Event.ON_STEP_START, order=self.order)(self._step_started))
-            self._handles.append(engine.on(Event.ON_STEP_END, order=self.order)(self._step_ended))
+            self._handles.append(engine.add_handler(Event.ON_STEP_START, self._step_started, order=self.order))
+            self._handles.append(engine.add_handler(Event.ON_STEP_END, self._step_ended, order=self.order))
 
     def _step_started(self, engine: Engine) -> None:
         gaps = self._gap_time(engine)

@@ -135,9 +135,7 @@ class ProgressBar(Callback):
     def _use_lines(self) -> bool:
         if self.config.mode != "auto":
             return self.config.mode == "lines"
-        from tqdm import auto
-
-        if any(cls.__module__ == "tqdm.notebook" for cls in auto.tqdm.__mro__):  # a notebook widget bar
+        if _in_notebook() or _is_widget(_bar_class()):  # a widget, or a text bar Jupyter draws
             return False
         isatty = getattr(self._stream(), "isatty", None)
         return not (callable(isatty) and isatty())
@@ -149,7 +147,7 @@ class ProgressBar(Callback):
 
     def _open_at_next_step(self, engine: Engine) -> None:
         if self._open_handle is None:
-            self._open_handle = engine.on(Event.ON_STEP_START, order=self.order)(self._step_start)
+            self._open_handle = engine.add_handler(Event.ON_STEP_START, self._step_start, order=self.order)
 
     def _step_start(self, engine: Engine) -> None:
         # At a step, not at on_fit_start: a checkpoint restored there has moved the
@@ -166,7 +164,7 @@ class ProgressBar(Callback):
     def _count_each_step(self, engine: Engine, each: bool) -> None:
         """Count every step on the bar (`each`), or only catch it up at each `on_log`."""
         if each and self._update_handle is None:
-            self._update_handle = engine.on(Event.ON_STEP_END, order=self.order)(self._step_end)
+            self._update_handle = engine.add_handler(Event.ON_STEP_END, self._step_end, order=self.order)
         elif not each and self._update_handle is not None:
             self._update_handle.remove()
             self._update_handle = None
@@ -215,10 +213,17 @@ class ProgressBar(Callback):
 
     def _show_postfix(self) -> None:
         if self._unshown:
-            self._postfix.update({short_name(name): _format(value) for name, value in self._unshown.items()})
+            self._postfix.update({name: format_value(value) for name, value in self._unshown.items()})
             self._unshown.clear()
         if self.bar is not None and self._postfix:
-            self.bar.set_postfix(self._postfix, refresh=False)
+            # In the order of `metrics`; what does not fit the terminal is left out from the end, whole:
+            # tqdm would cut the line, and a cut number reads as another one (`2.553e+04` as `2.553`).
+            shown = [(short_name(name), self._postfix[name]) for name in self.config.metrics if name in self._postfix]
+            while True:  # separated by spaces, as in the text lines (tqdm's own ", " costs columns)
+                self.bar.set_postfix_str(" ".join(f"{name}={value}" for name, value in shown), refresh=False)
+                if not shown or _fits(self.bar):
+                    break
+                shown.pop()
 
     def _offer_line(self, engine: Engine, values: dict[str, Any]) -> None:
         state, now, in_eval = engine.state, time.perf_counter(), self._in_eval
@@ -244,7 +249,7 @@ class ProgressBar(Callback):
         timing = f"elapsed {_clock(elapsed)}"
         if done > 0 and math.isfinite(stop_step):
             timing += f" eta {_clock(elapsed / done * max(0, stop_step - step))}"
-        metrics = " ".join(f"{short_name(k)}={_format(v)}" for k, v in values.items())
+        metrics = " ".join(f"{short_name(k)}={format_value(v)}" for k, v in values.items())
         return f"{where} | {metrics} | {timing}\n" if metrics else f"{where} | {timing}\n"
 
     # -- the bar ----------------------------------------------------------------
@@ -254,8 +259,7 @@ class ProgressBar(Callback):
         return not math.isfinite(stop_step) and math.isfinite(stop_epoch)
 
     def _open(self, engine: Engine) -> None:
-        from tqdm.auto import tqdm
-
+        tqdm = _bar_class()
         state = engine.state
         stop_step, stop_epoch = engine.fit_target
         if self._epoch_mode(engine):  # the bar stands at the steps done in the epoch
@@ -314,8 +318,52 @@ def short_name(name: str) -> str:
     return name.replace("_per_sec", "/s")
 
 
-def _format(value: Any) -> str:
+def _bar_class() -> Any:
+    """tqdm.auto's bar: a widget in a notebook with ipywidgets, tqdm's text bar elsewhere.
+
+    In a notebook without ipywidgets tqdm.auto warns at import (`TqdmWarning: IProgress
+    not found`) and gives its text bar: the bar Cadence wants there (Jupyter draws its
+    carriage returns), so the warning, which the user did not cause, is left out.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from tqdm import auto
+    return auto.tqdm
+
+
+def _in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (notebook, JupyterLab, VS Code): output shows as it is drawn."""
+    return "ipykernel.zmqshell" in sys.modules
+
+
+def _is_widget(cls: type) -> bool:
+    return any(base.__module__ == "tqdm.notebook" for base in cls.__mro__)
+
+
+def _fits(bar: Any) -> bool:
+    """Whether the bar's line, with its postfix and a bar at least one cell wide, fits its terminal."""
+    from tqdm.utils import disp_len
+
+    state = bar.format_dict  # measures the terminal again under dynamic_ncols
+    ncols = state["ncols"]
+    if not ncols:
+        return True
+    if state["total"]:  # ncols=0: the line without its bar and the bar's two edges
+        return disp_len(bar.format_meter(**{**state, "ncols": 0})) + 3 <= ncols
+    return disp_len(bar.format_meter(**{**state, "ncols": None})) <= ncols
+
+
+_UNITS = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+
+
+def format_value(value: Any) -> str:
+    """A logged value, short: 4 significant digits, and from 10,000 on in human units (`25.5k`, `1.2M`)."""
     if isinstance(value, float):
+        if math.isfinite(value) and abs(value) >= 1e4:  # where `.4g` turns to `2.553e+04`
+            suffix, scale = next((unit for unit in _UNITS if abs(value) >= unit[1]), _UNITS[-1])
+            return f"{value / scale:.3g}{suffix}"
         return f"{value:.4g}"
     return str(value)
 

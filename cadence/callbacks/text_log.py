@@ -127,7 +127,8 @@ class TextLog(Callback):
             if self.path is None:
                 self.path = engine.run_dir / "logs" / f"{engine.attempt_timestamp}.log"
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            file_handler = logging.FileHandler(self.path, encoding="utf-8")
+            # Opened at the first record: a run stopped before it logs anything leaves no empty file.
+            file_handler = logging.FileHandler(self.path, encoding="utf-8", delay=True)
             file_handler.setFormatter(formatter)
             self._handlers.append(file_handler)
         console = config.console if config.console is not None else not logging.getLogger().handlers

@@ -17,9 +17,13 @@ _OPTIONAL = (
     ("torchft", ("torchft-nightly", "torchft"), "ft"),
     ("submitit", ("submitit",), "slurm"),
     ("matplotlib", ("matplotlib",), "plot"),
+    ("torchmetrics", ("torchmetrics",), "metrics"),
     ("scikit-learn", ("scikit-learn",), "examples"),
 )
-_CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm")
+# pyproject.toml's dependencies besides torch (shown above them); tests/test_cli.py compares the two.
+_CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm", "xxhash", "numpy") + (
+    ("tomli",) if sys.version_info < (3, 11) else ()
+)
 
 
 def show_info(args: argparse.Namespace) -> int:
@@ -34,11 +38,7 @@ def show_info(args: argparse.Namespace) -> int:
         f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
         "",
         "dependencies:",
-        *table(
-            [(name, version(name) or "MISSING", "") for name in _CORE]
-            # not a dependency: seeded, and its RNG checkpointed, when the user has it
-            + [("numpy", version("numpy") or "not installed", "(optional: seeded and checkpointed when installed)")]
-        ),
+        *table([(name, version(name) or "MISSING", "") for name in _CORE]),
         "",
         "optional dependencies:",
         *table(

@@ -8,7 +8,7 @@ import types
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from cadence.engine.callback import Callback, overridden_hooks
+from cadence.engine.callback import Callback, overridden_hooks, warn_misspelled_hooks
 from cadence.engine.events import Event
 
 if TYPE_CHECKING:
@@ -161,7 +161,10 @@ class FunctionHandler:
 
 
 class Handle:
-    """Returned by every registration; `remove()` unregisters."""
+    """Returned by `engine.add_callback` and `engine.add_handler`; `remove()` unregisters.
+
+    (`@engine.on(...)` returns the decorated function itself; `engine.remove_handler(fn)` unregisters it.)
+    """
 
     def __init__(self, bus: EventBus, callback: Any) -> None:
         self._bus, self.callback = bus, callback
@@ -220,6 +223,8 @@ class EventBus:
             self._entries.pop()
             self._rebuild()
             raise
+        if not isinstance(callback, FunctionHandler):
+            warn_misspelled_hooks(callback, key)
         return Handle(self, callback)
 
     def remove(self, callback: Any) -> None:
@@ -229,24 +234,39 @@ class EventBus:
             raise ValueError(f"callback {callback_key(callback)!r} is not registered")
         self._rebuild()
 
-    def on(
+    def add_function(
         self,
         event: Event | str,
+        fn: Callable[[Engine], Any],
         *,
         every: int | None = None,
         once: int | None = None,
         when: Callable[[Engine], bool] | None = None,
         order: int = 50,
-    ) -> Callable[[Callable[[Engine], Any]], Handle]:
-        event = _event(event)
+    ) -> Handle:
+        """Register `fn(engine)` on `event` with filters; returns its handle."""
+        event = as_event(event)
+        if not callable(fn):
+            raise TypeError(f"engine.on({event.value}) registers a function fn(engine), got {fn!r}")
+        name = getattr(fn, "__qualname__", type(fn).__qualname__)
+        key = f"fn:{name}@{event.value}#{next(self._index)}"
+        handler = FunctionHandler(fn, event, every=every, once=once, when=when, order=order, key=key)
+        return self.add(handler)
 
-        def register(fn: Callable[[Engine], Any]) -> Handle:
-            name = getattr(fn, "__qualname__", type(fn).__qualname__)
-            key = f"fn:{name}@{event.value}#{next(self._index)}"
-            handler = FunctionHandler(fn, event, every=every, once=once, when=when, order=order, key=key)
-            return self.add(handler)
-
-        return register
+    def remove_function(self, fn: Callable[[Engine], Any], event: Event | str | None = None) -> int:
+        """Unregister every registration of `fn` (on `event` only, when given); returns how many."""
+        wanted = None if event is None else as_event(event)
+        handlers = [
+            c
+            for c in self.ordered
+            if isinstance(c, FunctionHandler) and c.fn == fn and (wanted is None or c.event is wanted)
+        ]
+        if not handlers:
+            on = "" if wanted is None else f" on {wanted.value}"
+            raise ValueError(f"function {getattr(fn, '__qualname__', fn)!r} is not registered{on}")
+        for handler in handlers:
+            self.remove(handler)
+        return len(handlers)
 
     def listeners(self, events: Iterable[Event]) -> list[Any]:
         """The registered callbacks (and function handlers) with a hook on any of `events`, in order."""
@@ -385,7 +405,8 @@ class _Instrumented:
                 _raise_hook_failure(engine, self.bus, hook, self.event, exc)
 
 
-def _event(event: Event | str) -> Event:
+def as_event(event: Event | str) -> Event:
+    """`event` as an `Event`; an unknown name is a ValueError listing the events."""
     try:
         return Event(event)
     except ValueError:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import sys
+import warnings
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from cadence.engine.events import Event
@@ -123,3 +126,30 @@ def overridden_hooks(callback: object) -> list[Event]:
             continue
         events.append(event)
     return events
+
+
+_EVENT_NAMES = tuple(e.value for e in Event)
+
+
+def warn_misspelled_hooks(callback: object, key: str) -> None:
+    """Warn about methods named like a hook (`on_...`) that no event calls: a misspelled hook is never called."""
+    cls = type(callback)
+    for name in dir(cls):
+        if not name.startswith("on_") or name in _EVENT_NAMES or not callable(getattr(cls, name, None)):
+            continue
+        close = difflib.get_close_matches(name, _EVENT_NAMES, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"hooks are named {', '.join(_EVENT_NAMES)}"
+        warnings.warn(
+            f"callback {key!r} has a method {name}() that no event calls: {hint} "
+            "(a hook is a method named after a cadence.Event value; rename this one if it is not meant as a hook)",
+            UserWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` of the first frame outside cadence, so a warning points at the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("cadence."):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -215,6 +215,25 @@ def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return file, overrides
 
 
+def write_stdout(text: str) -> None:
+    """Write to stdout; a reader that closed the pipe early (`--help | head`) ends the output quietly.
+
+    After a broken pipe, stdout is pointed at the null device, so the interpreter's
+    own flush at exit finds nothing to complain about.
+    """
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            fileno = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):  # not a file (captured output)
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fileno)
+        os.close(devnull)
+
+
 def parse_cli(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None) -> T:
     """Build ``cls`` from ``[--config FILE] [key=value ...]``; ``--help`` lists every field.
 
@@ -229,10 +248,12 @@ def parse_cli(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | No
     if "-h" in args or "--help" in args:
         rows = [("KEY", "TYPE", "DEFAULT", "HELP"), *field_help(cls)]
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        print(f"usage: {prog} [--config FILE] [key=value ...]\n")
-        print("Loads FILE (.yaml, .yml, .toml, .json), then applies dotted key=value overrides.\n")
-        for row in rows:
-            print(("  " + "  ".join(row[i].ljust(widths[i]) for i in range(3)) + "  " + row[3]).rstrip())
+        lines = [
+            f"usage: {prog} [--config FILE] [key=value ...]\n",
+            "Loads FILE (.yaml, .yml, .toml, .json), then applies dotted key=value overrides.\n",
+            *(("  " + "  ".join(row[i].ljust(widths[i]) for i in range(3)) + "  " + row[3]).rstrip() for row in rows),
+        ]
+        write_stdout("\n".join(lines) + "\n")
         raise SystemExit(0)
     try:
         file, overrides = _split_argv(args)

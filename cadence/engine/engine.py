@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
@@ -17,7 +17,7 @@ import torch
 from cadence.engine import checks, registry, rundir
 from cadence.engine import config as config_module
 from cadence.engine.backend import NULL_CONTEXT, Backend, batch_size, restore_training_mode
-from cadence.engine.bus import EventBus, Handle, callback_key
+from cadence.engine.bus import EventBus, Handle, as_event, callback_key
 from cadence.engine.control import IN_STEP_EVENTS, Requests
 from cadence.engine.data import DataConfig, DataSource
 from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gather_outputs, in_lockstep, scalar
@@ -38,6 +38,12 @@ _ON_SAVE_POINT = Event.ON_SAVE_POINT
 
 
 _optional_ge0 = attrs.validators.optional(attrs.validators.ge(0))
+
+
+def _known_backend(instance: Any, attribute: Any, value: str) -> None:
+    """attrs validator of `EngineConfig.backend`: a misspelled name is a config error, before anything starts."""
+    if value != "auto" and not registry.backends.is_known(value):
+        raise ValueError(registry.backends.unknown(value))
 
 
 @attrs.define(kw_only=True)
@@ -61,7 +67,8 @@ class EngineConfig:
 
     Attributes:
         steps: total optimizer steps that `fit()` trains to (step mode).
-        epochs: total epochs that `fit()` trains to (epoch mode).
+        epochs: total epochs that `fit()` trains to (epoch mode). With both
+            `steps` and `epochs`, `fit()` stops at whichever bound it reaches first.
         grad_accum: micro-batches per optimizer step (gradient accumulation).
         eval_every_epochs: evaluate after every N epochs (None: never at epoch end).
         eval_every_steps: evaluate after every N steps (None: never mid-epoch).
@@ -100,7 +107,7 @@ class EngineConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: str | None = None
     prefetch_to_device: bool | None = None
-    backend: str = "auto"
+    backend: str = attrs.field(default="auto", validator=_known_backend)
     seed: int | None = None
     deterministic: bool = False
     workspace: str = "runs"
@@ -113,6 +120,7 @@ class EngineConfig:
 
 
 StepFn = Callable[[torch.nn.Module, Any], Any]
+HookFn = TypeVar("HookFn", bound=Callable[..., Any])
 
 
 class Engine:
@@ -300,15 +308,42 @@ class Engine:
         once: int | None = None,
         when: Callable[[Engine], bool] | None = None,
         order: int = 50,
-    ) -> Callable[[Callable[[Engine], Any]], Handle]:
-        """Decorator registering a function `fn(engine)` on one event.
+    ) -> Callable[[HookFn], HookFn]:
+        """Decorator registering a function `fn(engine)` on one event; it returns `fn` itself.
+
+        The decorated name stays a plain function (callable, registrable on
+        another engine). For a handle with `remove()`, register with
+        `add_handler`; `remove_handler(fn)` unregisters a decorated function.
 
         Example:
             >>> @engine.on(cadence.Event.ON_STEP_END, every=2)   # doctest: +SKIP
             ... def report(engine):
             ...     print(engine.state.step)
         """
-        return self._bus.on(event, every=every, once=once, when=when, order=order)
+        event = as_event(event)  # an unknown name fails here, before the decorated function
+
+        def register(fn: HookFn) -> HookFn:
+            self._bus.add_function(event, fn, every=every, once=once, when=when, order=order)
+            return fn
+
+        return register
+
+    def add_handler(
+        self,
+        event: Event | str,
+        fn: Callable[[Engine], Any],
+        *,
+        every: int | None = None,
+        once: int | None = None,
+        when: Callable[[Engine], bool] | None = None,
+        order: int = 50,
+    ) -> Handle:
+        """Register `fn(engine)` on one event, as `on` does; returns a handle whose `remove()` unregisters it."""
+        return self._bus.add_function(event, fn, every=every, once=once, when=when, order=order)
+
+    def remove_handler(self, fn: Callable[[Engine], Any], event: Event | str | None = None) -> None:
+        """Unregister `fn`, registered with `on` or `add_handler` (from `event` only, when given)."""
+        self._bus.remove_function(fn, event)
 
     @property
     def callbacks(self) -> tuple[Any, ...]:
@@ -402,7 +437,8 @@ class Engine:
         """Train for `steps` more steps or `epochs` more epochs.
 
         With neither, train until `config.steps` / `config.epochs` (absolute
-        targets, so a resumed run finishes where it would have). Re-entrant:
+        targets, so a resumed run finishes where it would have). With both,
+        the fit stops at whichever bound it reaches first. Re-entrant:
         `fit(steps=100)` twice trains 200 steps.
         """
         self._check_budget(steps, epochs)
@@ -554,7 +590,12 @@ class Engine:
     def _end_epoch(self) -> None:
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
-        self._evaluate_due(self._eval_schedule("epochs"), self.state.epoch)
+        # A set that its step schedule evaluated at this very step (the epoch's last) is not evaluated
+        # again on the same weights: EarlyStopping's patience and a plateau scheduler count each once.
+        # Read from the schedule, not remembered, so a run resumed from that step decides the same.
+        evaluated = {split for split, every in self._eval_schedule("steps") if self.state.step % every == 0}
+        due = tuple((split, every) for split, every in self._eval_schedule("epochs") if split not in evaluated)
+        self._evaluate_due(due, self.state.epoch)
         self.fire(Event.ON_EPOCH_END)
         # Requests raised at epoch end (early stopping after evaluation) are
         # agreed here so the stop happens before another epoch starts.

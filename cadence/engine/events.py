@@ -47,7 +47,8 @@ class Event(_StrEnum):
               on_save_point               checkpoint, preemption: the step is complete,
                                           its evaluation included
             state.epoch += 1              the epoch's data ran out
-            evaluate(split)               each evaluation set due (eval_every_epochs / eval_sets)
+            evaluate(split)               each evaluation set due (eval_every_epochs / eval_sets),
+                                          unless its step schedule evaluated it at this step
             on_epoch_end
             agree control requests        so a stop raised at epoch end holds everywhere
             on_save_point                 the epoch is complete, its evaluation included

@@ -8,6 +8,7 @@ named directly as `module:attribute`.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import sys
@@ -46,10 +47,22 @@ class Registry:
         if target is None and ":" in name:
             target = name
         if target is None:
-            raise UnknownNameError(
-                f"unknown {self.kind} {name!r}; known {self.kind}s: {', '.join(sorted(known)) or 'none'} (or name one as 'module:Class')"
-            )
+            raise UnknownNameError(self.unknown(name, known))
         return load_target(target, what=f"{self.kind} {name!r}")
+
+    def unknown(self, name: str, known: Mapping[str, str] | None = None) -> str:
+        """Why `name` names nothing here: the closest known name, then every one."""
+        known = self.names() if known is None else known
+        close = difflib.get_close_matches(str(name), list(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return (
+            f"unknown {self.kind} {name!r}; {hint}known {self.kind}s: {', '.join(sorted(known)) or 'none'} "
+            "(or name one as 'module:Class')"
+        )
+
+    def is_known(self, name: str) -> bool:
+        """Whether `name` is a known name or a `module:attribute` string (not imported)."""
+        return name in self.names() or ":" in name
 
 
 class UnknownNameError(KeyError):

@@ -207,7 +207,10 @@ def main() -> None:
     # What setup imports, imported before waiting (seconds under load), so a late start is only the setup.
     import torch._dynamo
     import torchdata.stateful_dataloader  # noqa: F401
-    import torchft  # noqa: F401
+
+    from cadence.backends.ft import import_torchft
+
+    import_torchft()  # as the backend imports it: its logs quiet
 
     if options.get("start_after"):
         for condition in options["start_after"]:

@@ -228,7 +228,7 @@ def test_a_fit_where_no_callback_requests_runs_no_agreement():
             engine.fit(steps=2)
             out["bound"] = counter.per_step[::2]
             # A plain function may request (on rank 1 only): every rank agrees, one all-reduce per step.
-            handle = engine.on(cadence.Event.ON_SAVE_POINT)(lambda e: None) if rank == 1 else None
+            handle = engine.add_handler(cadence.Event.ON_SAVE_POINT, lambda e: None) if rank == 1 else None
             del counter.per_step[:]
             engine.fit(steps=2)
             out["agreeing"] = counter.per_step[::2]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -261,7 +262,8 @@ def check_resumed_bitwise(first, resumed):
         assert torch.equal(value, resumed["params"][key]), key
     assert resumed["state"] == first["state"]
     assert resumed["callbacks"] == first["callbacks"]
-    assert resumed["rows"] == first["rows"][6:]  # the steps after the checkpoint, skips included
+    # The steps after the checkpoint, skips included (their norms NaN: compared as text).
+    assert repr(resumed["rows"]) == repr(first["rows"][6:])
     if first["ema"] is not None:
         for mine, theirs in zip(first["ema"], resumed["ema"]):
             assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
@@ -296,10 +298,13 @@ def check_norms(out, ref):
 
 def test_zero2_own_overflow_skip_agreed_skip_and_bitwise_resume(tmp_path):
     # The NaN at step 3 is DeepSpeed's own skip (no NonFiniteSkip): counted by Cadence, LR not stepped.
+    # Its logged norm is NaN as for an agreed skip (DeepSpeed's get_global_grad_norm() reads inf there).
     directory = str(tmp_path / "ckpt")
-    first, resumed = run(stage_worker, 2, lambda: [NaNAt(3, rank=1), SkipAt({7})], directory)
-    ref = reference([SkipAt({3, 7})])
+    first, resumed = run(stage_worker, 2, lambda: [NaNAt(3, rank=1), SkipAt({7}), GradClip(max_norm=CLIP)], directory)
+    ref = reference([SkipAt({3, 7}), GradClip(max_norm=CLIP)])
     check_equal_to_reference(first, ref)
+    check_norms(first, ref)
+    assert [i for i, row in enumerate(first["rows"]) if row[0]] == [2, 6]  # steps 3 and 7
     assert first["callbacks"]["SkipAt"] == {"seen": 2}
     check_resumed_bitwise(first, resumed)
 
@@ -448,6 +453,29 @@ def test_engine_reports_a_conflict_before_joining_a_group():
             grad_accum=2,
         )
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("clip", "raw", "message"),
+    [
+        (
+            GradClip(max_norm=1.0),
+            {"gradient_clipping": 0.5},
+            "GradClip(max_norm=1.0) and the DeepSpeed config's gradient_clipping=0.5 disagree",
+        ),
+        (GradClip(max_norm=1.0, norm_type="inf"), {}, "DeepSpeed clips by the 2-norm only"),
+    ],
+)
+def test_a_clipping_deepspeed_cannot_follow_is_an_error_at_construction(clip, raw, message):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cadence.Engine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            backend=DeepSpeedBackend(deepspeed=raw),
+            callbacks=[clip],
+        )
+    assert not torch.distributed.is_initialized()  # before any group, not a HookError at step 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

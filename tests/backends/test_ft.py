@@ -107,6 +107,21 @@ class Replica:
 # -- unsupported combinations: one clear error each, no lighthouse contacted ----------------------
 
 
+def test_without_torchft_every_way_in_names_the_extra_first(monkeypatch):
+    """No torchft: the lighthouse and the ft option say `pip install 'cadence[ft]'`, before any launch check."""
+    for module in ("torchft", "torchft.coordination"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # outside a launcher
+    from cadence.backends.ft import local_lighthouse
+
+    with pytest.raises(ImportError, match=r"needs torchft, which is not installed: pip install 'cadence\[ft\]'"):
+        with local_lighthouse():
+            pass
+    with pytest.raises(ImportError, match=r"pip install 'cadence\[ft\]'"):
+        DDPBackend(ft={"replica_id": 0, "group_size": 1, "lighthouse": "http://127.0.0.1:9"})
+
+
 def test_ft_config_errors_name_the_input(monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
@@ -314,6 +329,21 @@ def test_restore_prefers_the_replica_data_position_and_healing_keeps_it(scenario
     assert steps1[0]["batch_in_epoch"] == last1["batch_in_epoch"] + 1
     assert steps0[-1]["digest"] == steps1[-1]["digest"] and steps0[-1]["step"] == steps1[-1]["step"] == end + 3
     assert steps0[0]["participants"] == steps1[0]["participants"] == 2
+
+
+@needs_torchft
+def test_torchft_logs_only_warnings_and_errors_by_default(scenarios):
+    """Two groups that quorum, commit and heal at every step: no INFO line per quorum and commit.
+
+    What is left is torch's one-time C++ warning about TorchFT's DDP (`find_unused_parameters=True`, which
+    TorchFT sets so that replica groups keep equal gradient buckets): docs/fault-tolerance.md says so.
+    """
+    for name in ("refused", "first0", "first1", "again0", "again1"):
+        log = scenarios[name].log.read_text().splitlines()
+        noise = [line for line in log if "find_unused_parameters=True" not in line]
+        assert not [line for line in noise if "[INFO]" in line or " INFO " in line], (name, noise[:5])
+        assert not [line for line in noise if "NCCL flight recorder" in line or "buffer is not writable" in line]
+        assert len(noise) <= 3, (name, noise)  # was ~130-250 lines a group for a few steps
 
 
 # -- the slow one: SIGKILL, restart, heal ---------------------------------------------------------

@@ -70,7 +70,7 @@ def test_five_fits_return_gc_signals_and_threads_to_baseline(monkeypatch):
         engine.fit(epochs=2)  # 2: epochs with evaluation
         assert baseline() == expected
 
-        handle = engine.on(Event.ON_STEP_END, once=engine.state.step + 2)(lambda e: 1 / 0)
+        handle = engine.add_handler(Event.ON_STEP_END, lambda e: 1 / 0, once=engine.state.step + 2)
         with pytest.raises(cadence.HookError):  # 3: an error in the middle
             engine.fit(steps=4)
         handle.remove()

@@ -265,3 +265,22 @@ def test_each_epochs_bar_ends_full_when_the_epoch_ends_between_two_logs():
     for epoch in (1, 2, 3):
         ends = [position for desc, position, total in states if desc == f"epoch {epoch}/3"]
         assert ends[-1] == 6, (epoch, ends)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (0.41213, "0.4121"),
+        (2553.0, "2553"),
+        (25534.2, "25.5k"),
+        (1.234e6, "1.23M"),
+        (-3.2e9, "-3.2G"),
+        (float("nan"), "nan"),
+        (float("inf"), "inf"),
+        (7, "7"),
+    ],
+)
+def test_values_are_short_and_rates_in_human_units(value, shown):
+    from cadence.callbacks.progress import format_value
+
+    assert format_value(value) == shown

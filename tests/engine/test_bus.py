@@ -169,7 +169,7 @@ def test_step_start_counts_the_step_in_progress():
 def test_handle_remove_unregisters():
     engine = make_engine()
     calls = []
-    handle = engine.on(Event.ON_STEP_END)(lambda e: calls.append(e.state.step))
+    handle = engine.add_handler(Event.ON_STEP_END, lambda e: calls.append(e.state.step))
     engine.fit(steps=2)
     handle.remove()
     engine.fit(steps=2)
@@ -183,15 +183,82 @@ def test_an_event_dispatches_the_same_with_one_hook_and_with_several():
     """One hook is called without the loop; registering and removing switch between the two ways."""
     engine = make_engine()
     calls = []
-    first = engine.on(Event.ON_STEP_END)(lambda e: calls.append(("a", e.state.step)))
+    first = engine.add_handler(Event.ON_STEP_END, lambda e: calls.append(("a", e.state.step)))
     engine.fit(steps=1)
-    second = engine.on(Event.ON_STEP_END, order=10)(lambda e: calls.append(("b", e.state.step)))
+    second = engine.add_handler(Event.ON_STEP_END, lambda e: calls.append(("b", e.state.step)), order=10)
     engine.fit(steps=1)
     first.remove()
     engine.fit(steps=1)
     second.remove()
     engine.fit(steps=1)
     assert calls == [("a", 1), ("b", 2), ("a", 2), ("b", 3)]
+
+
+def test_the_decorator_returns_the_function_itself_so_it_can_be_called_and_registered_again():
+    first, second = make_engine(device="cpu"), make_engine(device="cpu")
+    seen = []
+
+    @first.on(Event.ON_STEP_END, every=2)
+    def record(engine):
+        seen.append((engine is first, engine.state.step))
+
+    assert callable(record) and record.__name__ == "record"
+    second.on(Event.ON_STEP_END, once=1)(record)  # the same function on a second engine
+    record(second)  # and called directly
+    first.fit(steps=4)
+    second.fit(steps=2)
+    assert seen == [(False, 0), (True, 2), (True, 4), (False, 1)]
+
+
+def test_a_decorated_function_is_removed_by_remove_handler():
+    engine = make_engine(device="cpu")
+    calls = []
+
+    @engine.on(Event.ON_STEP_END)
+    def count(engine):
+        calls.append(engine.state.step)
+
+    engine.on(Event.ON_EPOCH_END)(count)
+    engine.fit(steps=1)
+    engine.remove_handler(count, Event.ON_STEP_END)  # the step registration only
+    assert engine.hooks(Event.ON_STEP_END) == () and engine.hooks(Event.ON_EPOCH_END) == (count,)
+    engine.remove_handler(count)
+    assert engine.hooks(Event.ON_EPOCH_END) == ()
+    engine.fit(steps=1)
+    assert calls == [1]
+    with pytest.raises(ValueError, match=r"\.<locals>\.count' is not registered"):
+        engine.remove_handler(count)
+
+
+def test_a_misspelled_hook_warns_at_registration_naming_the_closest_event():
+    class Typo(Callback):
+        def on_stepend(self, engine):
+            pass
+
+        def on_train_start(self, engine):
+            pass
+
+    with pytest.warns(UserWarning) as caught:
+        make_engine(device="cpu", callbacks=[Typo()])
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2, messages
+    assert "method on_stepend() that no event calls: did you mean on_step_end?" in messages[0]
+    assert "Typo' has a method on_stepend()" in messages[0]
+    assert "method on_train_start() that no event calls: did you mean on_fit_start?" in messages[1]
+    assert all(w.filename == __file__ for w in caught)  # points at the line that registered it
+
+
+def test_hooks_spelled_right_and_non_hook_methods_do_not_warn(recwarn):
+    class Fine(Callback):
+        def on_step_end(self, engine):
+            pass
+
+        def helper(self):
+            pass
+
+    engine = make_engine(device="cpu", callbacks=[Fine()])
+    engine.on(Event.ON_STEP_END)(lambda e: None)
+    assert not [w for w in recwarn if "no event calls" in str(w.message)]
 
 
 def test_bad_filter_values():
@@ -265,7 +332,7 @@ def test_a_function_hook_that_raises_is_named_by_its_handler(when):
         raise RuntimeError("no sink")
 
     engine = make_engine()
-    handle = engine.on(Event.ON_STEP_END, when=when)(report)
+    handle = engine.add_handler(Event.ON_STEP_END, report, when=when)
     # Without a filter the function itself is the hook: one call per event.
     assert engine.hooks(Event.ON_STEP_END) == ((report,) if when is None else (handle.callback.on_step_end,))
     with pytest.raises(HookError) as info:

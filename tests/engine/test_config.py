@@ -576,7 +576,8 @@ ENGINE_FIELDS = {
     "precision": st.sampled_from(["fp32", "bf16", "fp16"]),
     "device": st.none() | st.sampled_from(["cpu", "cuda", "cuda:1", "mps"]) | text,
     "prefetch_to_device": st.none() | st.booleans(),
-    "backend": st.sampled_from(["auto", "local", "ddp"]) | text,
+    # A known name or a `module:Class` target (any other name is a config error: test_loop.py).
+    "backend": st.sampled_from(["auto", "local", "ddp", "mesh"]) | text.map(lambda v: f"my_package.backends:{v}"),
     "seed": st.none() | st.integers(min_value=-(2**63), max_value=2**63 - 1),
     "deterministic": st.booleans(),
     "workspace": text,

@@ -79,6 +79,53 @@ def test_each_set_runs_on_its_own_schedule_from_the_config():
     assert evaluated == [(2, "val.loss"), (3, "test.loss"), (4, "val.loss"), (6, "val.loss"), (6, "test.loss")]
 
 
+def four_batch_epochs(callbacks=(), lr=0.5, **kwargs):
+    """An engine whose epochs are 4 steps (64 samples in batches of 16), evaluating val and test."""
+    model = tiny_model()
+    kwargs.setdefault("eval_data", {"val": tiny_dataset(24, seed=10), "test": tiny_dataset(24, seed=20)})
+    return cadence.Engine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        tiny_dataset(64),
+        loss_fn=F.cross_entropy,
+        callbacks=callbacks,
+        train={"batch_size": 16},
+        seed=0,
+        device="cpu",
+        **kwargs,
+    )
+
+
+def test_a_step_that_is_both_an_evaluation_step_and_an_epoch_end_is_evaluated_once():
+    """eval_every_steps=2 with 4 steps an epoch: steps 4 and 8 end epochs; each is evaluated once, not twice."""
+    evaluated = []
+    engine = four_batch_epochs(eval_data=tiny_dataset(24, seed=10), eval_every_steps=2, eval_every_epochs=1)
+    engine.on(cadence.Event.ON_EVAL_END)(lambda e: evaluated.append(e.state.step))
+    engine.fit(steps=8)
+    assert engine.state.epoch == 2
+    assert evaluated == [2, 4, 6, 8]
+
+
+def test_a_set_not_due_at_the_step_is_still_evaluated_at_the_epoch_end():
+    evaluated = []
+    engine = four_batch_epochs(
+        config={"eval_every_steps": 2, "eval_every_epochs": 1, "eval_sets": {"test": {"every_steps": 0}}}
+    )
+    engine.on(cadence.Event.ON_EVAL_END)(lambda e: evaluated.append((e.state.step, next(iter(e.logged)))))
+    engine.fit(steps=4)
+    assert evaluated == [(2, "val.loss"), (4, "val.loss"), (4, "test.loss")]
+
+
+def test_early_stopping_counts_an_epoch_end_evaluation_step_once():
+    """Patience 3 without improvement (lr 0): evaluations at steps 2 (best), 4, 6, 8: the stop comes after step 8."""
+    from cadence.callbacks import EarlyStopping
+
+    stopper = EarlyStopping(monitor="val.loss", patience=3)
+    engine = four_batch_epochs([stopper], lr=0.0, eval_data=tiny_dataset(24, seed=10), eval_every_steps=2)
+    engine.fit(steps=20)
+    assert stopper.evaluations == 4 and engine.state.step == 8
+
+
 def test_a_set_can_run_at_epoch_ends_only_and_have_its_own_loader_settings():
     evaluated = []
     engine = make_engine(

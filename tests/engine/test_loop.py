@@ -83,6 +83,21 @@ def test_config_targets_are_absolute():
         engine_with().fit()
 
 
+@pytest.mark.parametrize(
+    ("config", "fit", "step", "epoch"),
+    [
+        ({"steps": 10, "epochs": 2}, {}, 8, 2),  # 4 steps an epoch: the epochs bound comes first
+        ({"steps": 6, "epochs": 2}, {}, 6, 1),  # the steps bound comes first, mid-epoch
+        ({}, {"steps": 10, "epochs": 1}, 4, 1),
+        ({}, {"steps": 3, "epochs": 1}, 3, 0),
+    ],
+)
+def test_steps_and_epochs_together_stop_at_whichever_bound_comes_first(config, fit, step, epoch):
+    engine = engine_with(batches=4, device="cpu", **config)
+    engine.fit(**fit)
+    assert (engine.state.step, engine.state.epoch) == (step, epoch)
+
+
 def test_step_fn_and_model_returning_loss():
     class WithLoss(torch.nn.Module):
         def __init__(self):
@@ -419,7 +434,7 @@ def test_an_interrupted_fit_is_not_logged_until_the_next_reduction():
         if e.state.step == 5:
             raise KeyboardInterrupt
 
-    handle = engine.on(Event.ON_STEP_END)(interrupt)
+    handle = engine.add_handler(Event.ON_STEP_END, interrupt)
     with pytest.raises(KeyboardInterrupt):
         engine.fit(steps=10)
     assert logged == [(4, {"step": 2.5})]  # no collective on the way out of an interrupt
@@ -484,8 +499,10 @@ def test_bf16_autocast_on_cpu_and_fp16_needs_cuda():
 
 
 def test_unknown_backend_name_lists_known_ones():
-    with pytest.raises(KeyError, match=r"unknown backend 'tpu'.*local"):
+    with pytest.raises(ValueError, match=r"config error at 'backend'.*unknown backend 'tpu'.*local"):
         engine_with(backend="tpu")
+    with pytest.raises(ValueError, match=r"unknown backend 'dpp'; did you mean 'ddp'\? known backends: ddp, "):
+        engine_with(backend="dpp")
 
 
 def test_step_events_nobody_listens_to_cost_no_fire_call():

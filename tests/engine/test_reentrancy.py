@@ -62,7 +62,7 @@ def test_keyboard_interrupt_from_a_callback_then_fit_continues_at_the_same_step(
     def interrupt(e):
         raise KeyboardInterrupt
 
-    handle = engine.on(Event.ON_BACKWARD, once=6)(interrupt)  # in the middle of step 6
+    handle = engine.add_handler(Event.ON_BACKWARD, interrupt, once=6)  # in the middle of step 6
     with pytest.raises(KeyboardInterrupt):
         engine.fit(steps=12)
     assert engine.state.step == 5 and engine.state.micro_step == 5
@@ -80,7 +80,7 @@ def test_interrupt_at_step_end_continues_from_that_step():
     def interrupt(e):
         raise KeyboardInterrupt
 
-    handle = engine.on(Event.ON_STEP_END, once=5)(interrupt)
+    handle = engine.add_handler(Event.ON_STEP_END, interrupt, once=5)
     with pytest.raises(KeyboardInterrupt):
         engine.fit(steps=10)
     assert engine.state.step == 5

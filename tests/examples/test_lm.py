@@ -50,10 +50,16 @@ def final_val_loss(out: str) -> float:
 def test_lm_trains_on_two_ranks_and_its_loss_falls(tmp_path):
     untrained = final_val_loss(run(tmp_path / "untrained", "engine.steps=0"))
     assert untrained == pytest.approx(math.log(256), abs=0.15)  # a fresh byte model guesses uniformly
-    out = run(tmp_path / "trained", "engine.steps=30", "nproc=2")
+    out = run(tmp_path / "trained", "engine.steps=30", "engine.eval_every_steps=15", "nproc=2")
     assert "ddp(rank=0/2" in out
     assert "tokens/s" in out
+    # The schedule evaluates step 30; the final report takes its results rather than evaluating it again.
+    evaluations = [line.split()[1] for line in out.splitlines() if line.startswith("step") and "val.loss" in line]
+    assert evaluations == ["15", "30"], out
     trained = final_val_loss(out)
+    assert trained == float(
+        next(line for line in out.splitlines() if line.startswith("step    30  val.loss")).split()[-1]
+    )
     assert trained < untrained - 1.0, out
 
 
