@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.tensor.parallel  # imported once here, not in every forked worker
 
 import cadence
+from cadence.backends.local import LocalBackend
 from cadence.backends.mesh import MeshBackend
 from cadence.callbacks import GradClip
 from cadence.launch import launch
@@ -112,7 +113,7 @@ def train_variants() -> dict:
 
 def test_sequence_and_loss_parallel_train_like_one_process():
     got = launch(train_variants, nprocs=2, start_method="fork", timeout=110)
-    with make_engine(cadence.backends.local.LocalBackend(device="cpu")) as engine:
+    with make_engine(LocalBackend(device="cpu")) as engine:
         engine.fit(steps=STEPS)
         ref, val = flat(engine.model), engine.evaluate()["val.loss"]
     batch, seq, vocab = 4, CONFIG.seq_len, CONFIG.vocab
