@@ -1,6 +1,7 @@
-"""The LM job on one GPU: Cadence against a hand-written loop, eager and compiled, its input pipeline, checkpoints.
+"""The LM job on GPUs: Cadence against a hand-written loop, eager and compiled, its input pipeline, checkpoints,
+float8 against bf16, and FSDP2's accumulation modes (2 GPUs).
 
-    python benchmarks/gpu.py                   # one H100 / H200: about 3-4 minutes
+    python benchmarks/gpu.py                   # one H100 / H200: about 5-7 minutes (float8 compiles 3 models)
     python benchmarks/gpu.py --json gpu.json   # the table also as JSON
     python benchmarks/gpu.py --smoke           # seconds on the CPU: a tiny model, every row once
 

@@ -445,7 +445,7 @@ class MeshBackend(DDPBackend):
 
     def set_gradient_sync(self, enabled: bool) -> None:
         # As config.accumulation_sync says (cadence.backends.mesh.accumulation); FSDP2 is told only of changes.
-        self._sync(enabled)  # type: ignore[misc]
+        self._sync is None or self._sync(enabled)  # None: parameters not sharded, nothing to sync
 
     def clip_grad_norm_(self, engine: Engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient together; returns the pre-clip total norm as a plain tensor (`norms.clip_grad_norm`)."""
