@@ -1,6 +1,7 @@
-"""The LM job on one GPU: Cadence against a hand-written loop, eager and compiled, its input pipeline, checkpoints.
+"""The LM job on GPUs: Cadence against a hand-written loop, eager and compiled, its input pipeline, checkpoints,
+float8 against bf16, and FSDP2's accumulation modes (2 GPUs).
 
-    python benchmarks/gpu.py                   # one H100 / H200: about 3-4 minutes
+    python benchmarks/gpu.py                   # one H100 / H200: about 5-7 minutes (float8 compiles 3 models)
     python benchmarks/gpu.py --json gpu.json   # the table also as JSON
     python benchmarks/gpu.py --smoke           # seconds on the CPU: a tiny model, every row once
 
@@ -21,6 +22,15 @@ ffn 2816 (about 142M parameters), 16 x 1024 tokens a step, bf16 autocast, fused 
   and the hand loop over `DataLoader(pin_memory=True)`.
 - `checkpoint ...`: the rows of benchmarks/gpu_checkpoint.py (sync and async saves of the GPU
   state, restore) when that file is present.
+- `float8 ...` (a GPU of compute capability >= 8.9): bf16 against bf16 with torchao's float8
+  linear layers (`LocalBackend(float8=...)`: tensorwise and rowwise recipes; the output head and
+  layers of odd sizes stay bf16), all compiled, through Cadence, interleaved as above; the
+  `x hand` column is against bf16 there. Needs torchao (`pip install 'cadence[float8]'`).
+- `accumulation ...` (2 GPUs): FSDP2 over 2 ranks (`MeshBackend(shard=2, precision="bf16")`),
+  4 micro-batches of 4 x 1024 tokens a step, for each `mesh.accumulation_sync`: the peak of
+  `torch.cuda.max_memory_allocated` over the timed steps (rank 0) and the step time. "last" holds
+  the unsharded gradients between micro-batches, "every" only its shard (issue 35). With fewer
+  GPUs the row says so.
 
 Tokens/s are per GPU; MFU is the model's own training FLOPs per token (`flops_per_token`: 6 x
 non-embedding parameters + attention) x tokens/s over the card's peak dense bf16 FLOP/s, looked
@@ -39,16 +49,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
+import gpu_large  # noqa: E402  (benchmarks/gpu_large.py: what the spawned GPU workers import)
 import lm  # noqa: E402  (examples/lm.py)
 
 import cadence  # noqa: E402
 from cadence.backends.local import LocalBackend  # noqa: E402
+from cadence.launch import launch  # noqa: E402
 
 FULL = {"dim": 1024, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 2816, "seq_len": 1024}
 SMOKE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 176, "seq_len": 64}
@@ -296,6 +309,61 @@ def checkpoint_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         return [{"row": "checkpoint", "note": f"benchmarks/gpu_checkpoint.py failed: {type(exc).__name__}: {exc}"}]
 
 
+# -- float8 and accumulation (issue 35) ----------------------------------------------------------------
+
+
+def float8_rows(setup: Setup) -> list[dict[str, Any]]:
+    """bf16, then bf16 + float8 tensorwise and rowwise, compiled, through Cadence; ratios to bf16."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return [{"row": "float8", "note": "torchao is not installed: pip install 'cadence[float8]'"}]
+    if not setup.smoke:
+        capability = torch.cuda.get_device_capability(0) if setup.cuda else None
+        if capability is None or capability < (8, 9):
+            have = (
+                "no GPU"
+                if capability is None
+                else f"{torch.cuda.get_device_name(0)} is {capability[0]}.{capability[1]}"
+            )
+            return [{"row": "float8", "note": f"needs a CUDA GPU of compute capability >= 8.9; {have}"}]
+    data = setup.batches(8 if setup.smoke else 32)
+    loops: dict[str, Any] = {}
+    started = time.perf_counter()
+    for name, recipe in (("bf16", None), ("float8 tensorwise", "tensorwise"), ("float8 rowwise", "rowwise")):
+        model, optimizer = setup.model()
+        float8 = {"enabled": True, "recipe": recipe, "emulate": not setup.cuda} if recipe else None
+        compiled = {"enabled": True, "backend": setup.compile_backend}
+        backend = LocalBackend(device=str(setup.device), precision="bf16", compile=compiled, float8=float8)
+        loops[name] = CadenceLoop(
+            cadence.Engine(model, optimizer, data, loss_fn=lm.next_byte_loss, backend=backend, seed=0,
+                           log_interval=10**9, eval_every_epochs=None)
+        )  # fmt: skip
+    result = interleaved(setup, loops)
+    flops = lm.Transformer(setup.config).flops_per_token()
+    rows = [row(setup, f"float8: {name}", r, flops) for name, r in result.items()]
+    rows[0]["note"] += f"; compiled; x hand = against this row; {time.perf_counter() - started:.0f} s with compilation"
+    release(loops)
+    return rows
+
+
+def accumulation_rows(setup: Setup) -> list[dict[str, Any]]:
+    """FSDP2 on 2 GPUs: peak memory and step time of each accumulation mode."""
+    gpus = torch.cuda.device_count() if setup.cuda else 0
+    if not setup.smoke and gpus < 2:
+        return [{"row": "accumulation", "note": f"needs 2 GPUs (FSDP2 over 2 ranks); {gpus} visible"}]
+    config = attrs.asdict(setup.config)
+    method = "spawn" if setup.cuda else "fork"  # a CUDA parent cannot fork CUDA workers
+    got = launch(gpu_large.accumulation_worker, config, setup.smoke, nprocs=2, start_method=method, timeout=900)
+    rows = []
+    for mode, r in got.items():
+        tokens = 2 * 4 * r["micro_batch"] * setup.config.seq_len  # both ranks, 4 micro-batches
+        peak = f"peak {r['peak_gib']:.2f} GiB allocated on rank 0" if r["peak_gib"] is not None else "no CUDA: no peak"
+        rows.append({"row": f"accumulation: {mode}", "step_ms": 1e3 * r["step_s"], "tokens_per_s": tokens / r["step_s"],
+                     "note": f"{peak}; FSDP2 shard=2, bf16, 4 micro-batches"})  # fmt: skip
+    return rows
+
+
 # -- the table ----------------------------------------------------------------------------------------
 
 COLUMNS = [("step_ms", "step ms", "{:.2f}"), ("tokens_per_s", "tokens/s", "{:,.0f}"), ("mfu", "MFU", "{:.1%}"),
@@ -331,7 +399,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved blocks per loop and row")
     parser.add_argument("--block", type=int, default=20, help="steps per timed block")
     parser.add_argument("--peak-tflops", type=float, help="the card's peak dense bf16 TFLOP/s (default: by its name)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["eager", "compiled", "loader", "checkpoint"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["eager", "compiled", "loader", "checkpoint", "float8", "accumulation"]
+    )
     args = parser.parse_args()
     setup = Setup(args)
     card = torch.cuda.get_device_name(0) if setup.cuda else "CPU (no GPU)"
@@ -342,7 +412,8 @@ def main() -> None:
     )
     rows: list[dict[str, Any]] = []
     parts = [("eager", lambda: lm_rows(setup, False)), ("compiled", lambda: lm_rows(setup, True)),
-             ("loader", lambda: loader_rows(setup)), ("checkpoint", lambda: checkpoint_rows(args))]  # fmt: skip
+             ("loader", lambda: loader_rows(setup)), ("checkpoint", lambda: checkpoint_rows(args)),
+             ("float8", lambda: float8_rows(setup)), ("accumulation", lambda: accumulation_rows(setup))]  # fmt: skip
     for name, part in parts:
         if name in args.skip:
             continue

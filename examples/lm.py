@@ -8,6 +8,11 @@
     python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=1 mesh.context=2 model.causal=false
     python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2 mesh.expert=2 model.n_experts=4
     python examples/lm.py nproc=4 engine.backend=mesh mesh.shard=4 mesh.expert=2 mesh.expert_tensor=2 model.n_experts=4
+    python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=2 mesh.accumulation_sync=every engine.grad_accum=4
+    python examples/lm.py nproc=2 engine.backend=mesh mesh.shard=1 mesh.tensor=2 \
+        tensor_parallel.sequence_parallel=true tensor_parallel.loss_parallel=true
+    python examples/lm.py engine.precision=bf16 precision_overrides='{RMSNorm: fp32, output: fp32}'
+    python examples/lm.py engine.device=cuda engine.precision=bf16 float8.enabled=true   # a GPU of capability >= 8.9
     torchrun --nproc_per_node 2 examples/lm.py                # or under torchrun
 
 The corpus is the `.py` files at the top of the running interpreter's standard
@@ -30,6 +35,7 @@ validation loss at each evaluation. The same file runs unchanged on the
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -45,6 +51,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import cadence
+from cadence.backends.float8 import Float8Config
 from cadence.callbacks import TrainMetrics
 from cadence.engine.config_cli import parse_cli
 
@@ -377,33 +384,79 @@ class Transformer(nn.Module):
         """The modules FSDP2 shards as units (each block; the root gets the rest)."""
         return list(self.layers)
 
-    def parallelize(self, mesh: Any) -> None:
+    def parallelize(self, mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
         """Tensor parallel over `mesh["tensor"]`: Megatron-style column/row splits in every block.
 
         Query/key/value and the SwiGLU input projections are split by output
         columns (each rank gets whole heads), the attention output and the
         SwiGLU output projection by input rows, so each block needs one
         all-reduce in forward per sub-block. Embeddings, norms and the output
-        projection stay replicated.
+        projection stay replicated, unless:
+
+        - `sequence_parallel`: the residual stream between the blocks' matrix
+          multiplications (norms, residual additions) is split along the
+          sequence (`SequenceParallel`): each block's all-reduces become an
+          all-gather before its column-wise projections and a reduce-scatter
+          after its row-wise ones, and activations there take 1/tensor of the
+          memory. The embeddings are split by vocabulary rows (their output
+          reduce-scattered along the sequence), the output projection gathers
+          the sequence back.
+        - `loss_parallel`: the output projection is split by vocabulary
+          columns and its logits stay sharded (`use_local_output=False`): no
+          rank holds the whole batch x sequence x vocabulary logits, and the
+          loss is computed on the shards (the mesh backend's `loss_parallel`,
+          which `next_byte_loss` works with).
         """
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
 
         tp = mesh["tensor"]
         size = tp.size()
         for what, count in (("n_heads", self.config.n_heads), ("n_kv_heads", self.config.n_kv_heads)):
             if count % size:
                 raise ValueError(f"model.{what}={count} is not divisible by the tensor axis ({size})")
-        plan = {
+        # Under sequence parallel a sub-block's input arrives split along the sequence and is gathered; its
+        # output is reduce-scattered back (RowwiseParallel to Shard(1)) instead of all-reduced.
+        rows = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+        plan: dict[str, Any] = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
+            "attention.wo": rows,
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
+            "feed_forward.w2": rows,
         }
+        if sequence_parallel:
+            gather = {"input_layouts": (Shard(1), None, None), "desired_input_layouts": (Replicate(), None, None)}
+            plan |= {
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(**gather, use_local_output=True),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+            }
         for block in self.layers:
             parallelize_module(block, tp, plan)
+        top: dict[str, Any] = {}
+        if sequence_parallel:
+            top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+            top["norm"] = SequenceParallel()
+        if sequence_parallel or loss_parallel:
+            top["output"] = ColwiseParallel(
+                input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            )
+        if top:
+            parallelize_module(self, tp, top)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x (non-embedding parameters) + attention's 12 x layers x dim x seq_len.
@@ -475,7 +528,13 @@ class ByteSequences(torch.utils.data.Dataset):
 
 
 def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean cross-entropy over every position; on vocabulary-sharded logits (loss parallel) computed on the shards.
+
+    Loss parallel gives a replicated DTensor: its local value is the loss, as
+    a plain tensor for the engine (no communication).
+    """
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return loss.to_local() if hasattr(loss, "to_local") else loss
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -499,6 +558,22 @@ class OptimConfig:
 
 
 @attrs.define(kw_only=True)
+class TensorParallelConfig:
+    """Options of the tensor-parallel plan (`Transformer.parallelize`): `engine.backend=mesh` with `mesh.tensor` > 1.
+
+    Attributes:
+        sequence_parallel: norms and residual additions run on sequence shards
+            (`SequenceParallel`); their activations take 1/tensor of the memory.
+        loss_parallel: the output projection's logits stay sharded over the
+            vocabulary and the loss is computed on the shards (also sets the
+            mesh backend's `loss_parallel`).
+    """
+
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+
+@attrs.define(kw_only=True)
 class LMConfig:
     """Everything examples/lm.py reads (defaults: examples/lm.yaml).
 
@@ -507,7 +582,13 @@ class LMConfig:
         data: the corpus.
         optim: the optimizer and its schedule.
         mesh: MeshBackend options when `engine.backend` is "mesh" (axes such as
-            `shard`, `tensor`, `replicate`; see docs/backends.md).
+            `shard`, `tensor`, `replicate`, `accumulation_sync`; see docs/backends.md).
+        tensor_parallel: sequence and loss parallel in the tensor-parallel plan.
+        precision_overrides: `{module class or name: fp32}`, e.g. `{RMSNorm: fp32,
+            output: fp32}`: modules that compute in fp32 in a bf16 run (local,
+            ddp and mesh backends).
+        float8: float8 training through torchao (`Float8Config`; local, ddp and
+            mesh backends; a GPU of compute capability >= 8.9).
         peak_flops: one device's peak FLOP/s for MFU (None: not logged).
         nproc: processes to start with `cadence.launch` (ignored under torchrun,
             which starts them itself); with more than one, `engine.backend`
@@ -519,6 +600,9 @@ class LMConfig:
     data: DataConfig = attrs.field(factory=DataConfig)
     optim: OptimConfig = attrs.field(factory=OptimConfig)
     mesh: dict[str, Any] = attrs.field(factory=dict)
+    tensor_parallel: TensorParallelConfig = attrs.field(factory=TensorParallelConfig)
+    precision_overrides: dict[str, str] = attrs.field(factory=dict)
+    float8: Float8Config = attrs.field(factory=Float8Config)
     peak_flops: float | None = None
     nproc: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     engine: cadence.EngineConfig = attrs.field(
@@ -546,15 +630,41 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, config: OptimConfig, steps
 
 
 def make_backend(cfg: LMConfig) -> Any:
-    """The backend named by `engine.backend`, built with `mesh.*` when it is the mesh backend."""
-    if cfg.engine.backend != "mesh":
-        return cfg.engine.backend
+    """The backend named by `engine.backend`: with `mesh.*` and the tensor-parallel plan's options when it is the
+    mesh backend, with `precision_overrides` and `float8` on the local, ddp and mesh backends."""
     from cadence.engine import registry
 
+    transforms: dict[str, Any] = {}
+    if cfg.precision_overrides:
+        transforms["precision_overrides"] = dict(cfg.precision_overrides)
+    if cfg.float8.enabled:
+        transforms["float8"] = attrs.asdict(cfg.float8)
+    tp, name = cfg.tensor_parallel, cfg.engine.backend
+    if name != "mesh":
+        for key in ("sequence_parallel", "loss_parallel"):
+            if getattr(tp, key):
+                raise ValueError(f"tensor_parallel.{key} needs engine.backend=mesh with mesh.tensor > 1")
+        if not transforms:
+            return name
+        if name == "auto":
+            name = "ddp" if cfg.nproc > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1 else "local"
+        if name not in ("local", "ddp"):
+            raise ValueError(f"precision_overrides and float8 apply on the local, ddp and mesh backends, not {name!r}")
+        return registry.backends.resolve(name)(device=cfg.engine.device, precision=cfg.engine.precision, **transforms)
     mesh_backend = registry.backends.resolve("mesh")
-    if not cfg.mesh:
+    if not cfg.mesh and not transforms:
         return mesh_backend.from_engine_config(cfg.engine)
-    return mesh_backend(**{"device": cfg.engine.device, **cfg.mesh})  # engine.device unless mesh.device says
+    twice = sorted(set(transforms) & set(cfg.mesh))
+    if twice:
+        raise ValueError(f"{twice} given both at the top level and under mesh: set them in one place")
+    options: dict[str, Any] = {"device": cfg.engine.device, **cfg.mesh, **transforms}  # mesh.device wins
+    loss_parallel = tp.loss_parallel or bool(cfg.mesh.get("loss_parallel"))
+    if loss_parallel or tp.sequence_parallel:
+        options["loss_parallel"] = loss_parallel
+        options["parallelize"] = functools.partial(
+            Transformer.parallelize, sequence_parallel=tp.sequence_parallel, loss_parallel=loss_parallel
+        )
+    return mesh_backend(**options)
 
 
 def training_loss(model: Transformer) -> Any:

@@ -33,7 +33,7 @@ from cadence.engine.backend import Domain, ReduceOp, StepPlan
 if TYPE_CHECKING:
     from cadence.backends.ft import FaultTolerance, FTConfig
     from cadence.engine.control import Requests
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.engine import Engine
 
 #: Default collective timeout. A rank that dies or hangs makes the others raise
 #: within this time instead of waiting forever (a dead peer's closed
@@ -67,8 +67,8 @@ class DDPBackend(LocalBackend):
         ft: TorchFT fault tolerance across replica groups (`FTConfig` or a
             mapping of its fields); this launch is one replica group, which
             must be one process (`WORLD_SIZE=1`). See docs/fault-tolerance.md.
-        compile, activation_checkpointing, units, units_fn: model transforms
-            applied before the DDP wrap, as in `LocalBackend`.
+        compile, activation_checkpointing, units, units_fn, precision_overrides, float8:
+            model transforms applied before the DDP wrap, as in `LocalBackend`.
 
     Example:
         >>> import torch, cadence
@@ -105,6 +105,8 @@ class DDPBackend(LocalBackend):
         activation_checkpointing: Any = None,
         units: list[str] | None = None,
         units_fn: UnitsFn | None = None,
+        precision_overrides: dict[str, str] | None = None,
+        float8: Any = None,
     ) -> None:
         if checkpoint not in ("file", "dcp"):
             raise ValueError(f"DDPBackend(checkpoint={checkpoint!r}): expected 'file' or 'dcp'")
@@ -129,7 +131,8 @@ class DDPBackend(LocalBackend):
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
         self._overlapped = OverlappedAgreement()
-        self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name)
+        more = {"precision_overrides": precision_overrides, "float8": float8}
+        self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name, **more)
         self.units_fn = units_fn
         self.ft: FaultTolerance | None = None
         if ft is not None:
@@ -147,10 +150,6 @@ class DDPBackend(LocalBackend):
             config = make_config(ft)
             assert config is not None
             self.ft = FaultTolerance(config)  # validates replica ids and the lighthouse address
-
-    @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> DDPBackend:
-        return cls(device=config.device, precision=config.precision)
 
     # -- lifecycle --------------------------------------------------------
 
@@ -209,6 +208,7 @@ class DDPBackend(LocalBackend):
         # range, fp16 without CUDA) is refused before: a failed Engine() leaves no group.
         device = resolve_device(self.requested_device, process_group=self._group_backend(), current=False)
         Precision.create(self.precision_name, device)
+        self.transforms.check(device, type(self).name)  # float8 without a capable GPU
 
     def _init_process_group(self) -> None:
         missing = [name for name in _REQUIRED_ENV if name not in os.environ]

@@ -51,9 +51,14 @@ class LocalBackend(Backend):
             (`{"mode": "full", "every": 2}`).
         units: class names of the model's blocks (default: `model.fsdp_units()`).
         units_fn: a function `model -> [blocks]` instead.
+        precision_overrides: `{module class, name or pattern: "fp32"}`: modules
+            that run with autocast off, in fp32 (`cadence.backends.precision`).
+        float8: float8 training through torchao (`cadence.backends.float8.Float8Config`
+            or a mapping of its fields); needs a CUDA GPU of capability >= 8.9.
 
     Transforms run at `setup` in the order of `cadence.backends.transforms`
-    (checkpointing, then compile); checkpoints keep the plain module's keys.
+    (float8, precision overrides, checkpointing, then compile); checkpoints
+    keep the plain module's keys.
     """
 
     name = "local"
@@ -67,6 +72,8 @@ class LocalBackend(Backend):
         activation_checkpointing: Any = None,
         units: list[str] | None = None,
         units_fn: UnitsFn | None = None,
+        precision_overrides: dict[str, str] | None = None,
+        float8: Any = None,
     ) -> None:
         self.requested_device = device
         self.precision_name = precision
@@ -74,10 +81,14 @@ class LocalBackend(Backend):
         # backend touches no CUDA context.
         self.device = resolve_device(device, rank=0, current=False)
         self.set_precision(precision, self.device)
-        self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name)
+        self.transforms = ModelTransforms.build(
+            compile, activation_checkpointing, units, type(self).name,
+            precision_overrides=precision_overrides, float8=float8,
+        )  # fmt: skip
         self.units_fn = units_fn
 
     def setup(self, engine: Engine) -> None:
+        self.transforms.check(self.device, type(self).name)  # float8's GPU, before CUDA is made current
         make_current(self.device)
         forward = self.prepare_model(engine)
         engine.model.to(self.device)
@@ -88,7 +99,8 @@ class LocalBackend(Backend):
         plain, forward = unwrap_compiled(engine.model)
         engine.model = plain
         if self.transforms.active:
-            self.transforms.apply(plain, self.units_fn)
+            autocast = self.device.type if self.precision_name != "fp32" else None
+            self.transforms.apply(plain, self.units_fn, autocast_device=autocast, where=type(self).name)
         return forward
 
     def set_precision(self, precision: str, device: torch.device) -> None:

@@ -1,15 +1,19 @@
-"""Model transforms every backend applies in one order: parallelize, checkpoint, compile, then wrap.
+"""Model transforms every backend applies in one order: parallelize, precision, checkpoint, compile, then wrap.
 
 1. **parallelize** (mesh backend only): `model.parallelize(mesh)` or a user
    function lays tensor-parallel (and later context/expert) placements on the
    modules.
-2. **activation checkpointing** (`ActivationCheckpointConfig`): the forward of
+2. **precision** (`apply_precision`): float8 training (`cadence.backends.float8`,
+   torchao's `Float8Linear` swapped in), then per-module precision
+   (`cadence.backends.precision`: modules that compute in fp32; under FSDP2
+   they become their own units with an fp32 policy at the wrap instead).
+3. **activation checkpointing** (`ActivationCheckpointConfig`): the forward of
    every block, or of every k-th block, recomputes its activations in backward
    (`mode="full"`), or keeps only the outputs of matrix multiplications and
    attention and recomputes the rest (`mode="selective"`).
-3. **compile** (`CompileConfig`): `torch.compile` of each block's forward (or of
+4. **compile** (`CompileConfig`): `torch.compile` of each block's forward (or of
    the model's forward when the model names no blocks).
-4. **wrap**: FSDP2 `fully_shard` per block and at the root (mesh), or
+5. **wrap**: FSDP2 `fully_shard` per block and at the root (mesh), or
    `DistributedDataParallel` (ddp); nothing on the local backend.
 
 Blocks ("units") are the model's repeated layers: what `model.fsdp_units()`
@@ -29,11 +33,13 @@ compiled one.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
 import torch
+
+from cadence.backends.float8 import Float8Config
 
 __all__ = [
     "ActivationCheckpointConfig",
@@ -41,6 +47,7 @@ __all__ = [
     "ModelTransforms",
     "apply_activation_checkpointing",
     "apply_compile",
+    "apply_precision",
     "find_units",
     "unwrap_compiled",
 ]
@@ -214,6 +221,44 @@ def apply_compile(model: torch.nn.Module, units: Sequence[torch.nn.Module], conf
     return compiled
 
 
+def apply_precision(
+    model: torch.nn.Module,
+    units: Sequence[torch.nn.Module],
+    overrides: Mapping[str, str],
+    float8: Float8Config,
+    *,
+    where: str,
+    autocast_device: str | None,
+    fsdp: bool = False,
+    strict: bool = True,
+) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """float8 conversion, then per-module precision; returns `(units, fp32 modules)` as they are afterwards.
+
+    Modules with a precision override (and what is inside them) stay out of
+    float8. With `autocast_device` (the backend autocasts on that device type)
+    the overridden modules run with autocast off; without it (FSDP2's policy
+    does the work at the wrap, or the run is fp32) they are only returned.
+    Units are looked up again by name: float8 replaces `nn.Linear` modules.
+    `strict=False` (a pipeline stage) lets keys match modules of other stages.
+    """
+    from cadence.backends import float8 as float8_module
+    from cadence.backends.precision import exclude_from_autocast, find_overridden
+
+    names = {id(m): n for n, m in model.named_modules()}
+    unit_names = [names[id(u)] for u in units]
+    try:
+        fp32 = find_overridden(model, overrides, f"{where}.precision_overrides" if where else "precision_overrides")
+    except ValueError:
+        if strict:
+            raise
+        fp32 = []
+    float8_module.convert(model, float8, [n for n, _ in fp32], fsdp=fsdp)
+    modules = [m for _, m in fp32]
+    if autocast_device is not None:
+        exclude_from_autocast(modules, autocast_device)
+    return [model.get_submodule(n) for n in unit_names], modules
+
+
 def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(plain module, what forward calls) for a model that may be `torch.compile(module)`.
 
@@ -235,18 +280,32 @@ class ModelTransforms:
         compile: `torch.compile` options (`CompileConfig`, or a mapping of its fields).
         activation_checkpointing: `ActivationCheckpointConfig` (or a mapping).
         units: class names of the model's blocks, when it has no `fsdp_units()`.
+        precision_overrides: `{module class, name or pattern: "fp32"}`: modules
+            that compute in fp32 under bf16/fp16 autocast (`cadence.backends.precision`).
+        float8: float8 training through torchao (`Float8Config`, or a mapping).
     """
 
     compile: CompileConfig = attrs.field(factory=CompileConfig)
     activation_checkpointing: ActivationCheckpointConfig = attrs.field(factory=ActivationCheckpointConfig)
     units: list[str] | None = None
+    precision_overrides: dict[str, str] = attrs.field(factory=dict)
+    float8: Float8Config = attrs.field(factory=Float8Config)
+
+    def __attrs_post_init__(self) -> None:
+        if self.float8.fsdp_all_gather:
+            raise ValueError(
+                "float8.fsdp_all_gather all-gathers FSDP2's sharded weights in float8: it needs the mesh backend "
+                "with sharded parameters; set fsdp_all_gather=False here"
+            )
 
     @classmethod
-    def build(cls, compile: Any, activation_checkpointing: Any, units: Any, where: str) -> ModelTransforms:
+    def build(cls, compile: Any, activation_checkpointing: Any, units: Any, where: str, **more: Any) -> ModelTransforms:
+        """From a backend's keywords (None: the default); `more`: `precision_overrides`, `float8`."""
         from cadence.engine.config import structure
 
         data: dict[str, Any] = {}
-        for name, value in (("compile", compile), ("activation_checkpointing", activation_checkpointing)):
+        given = {"compile": compile, "activation_checkpointing": activation_checkpointing, **more}
+        for name, value in given.items():
             if value is None:
                 continue
             if isinstance(value, bool) and name == "compile":
@@ -258,11 +317,32 @@ class ModelTransforms:
 
     @property
     def active(self) -> bool:
-        return self.compile.enabled or self.activation_checkpointing.mode != "none"
+        return (
+            self.compile.enabled
+            or self.activation_checkpointing.mode != "none"
+            or bool(self.precision_overrides)
+            or self.float8.enabled
+        )
 
-    def apply(self, model: torch.nn.Module, units_fn: UnitsFn | None = None) -> list[torch.nn.Module]:
-        """Checkpoint, then compile, `model` in place; returns its units."""
+    def check(self, device: torch.device, where: str) -> None:
+        """What cannot run on `device` (float8 without a capable GPU), refused before any process group."""
+        from cadence.backends.float8 import require_device
+
+        require_device(self.float8, device, where)
+
+    def apply(
+        self,
+        model: torch.nn.Module,
+        units_fn: UnitsFn | None = None,
+        *,
+        autocast_device: str | None = None,
+        where: str = "",
+    ) -> list[torch.nn.Module]:
+        """float8, per-module precision (with `autocast_device`: the run autocasts), checkpoint, compile; returns the units."""
         units = find_units(model, self.units, units_fn)
+        units, _ = apply_precision(
+            model, units, self.precision_overrides, self.float8, where=where, autocast_device=autocast_device
+        )
         apply_activation_checkpointing(units, self.activation_checkpointing)
         apply_compile(model, units, self.compile)
         return units

@@ -19,6 +19,7 @@ _OPTIONAL = (
     ("matplotlib", ("matplotlib",), "plot"),
     ("torchmetrics", ("torchmetrics",), "metrics"),
     ("scikit-learn", ("scikit-learn",), "examples"),
+    ("torchao", ("torchao",), "float8"),
 )
 # pyproject.toml's dependencies besides torch (shown above them); tests/test_cli.py compares the two.
 _CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm", "xxhash", "numpy") + (

@@ -15,10 +15,11 @@ Setup, in this order (see docs/backends.md, "Mesh backend"):
    rank keeps its stages' layers (`Pipeline`). The data domain is
    the flattened replicate x shard group; the optimizer domain is the world.
 3. Keep rank 0's full state (to broadcast in 6).
-4. Transforms: parallelize (tensor axis), activation checkpointing, compile
-   (`cadence.backends.transforms`), then FSDP2 `fully_shard` on every unit and
-   on the root over the data sub-mesh (1-D `shard`, or 2-D `replicate x shard`:
-   HSDP) when the data domain has more than one rank.
+4. Transforms: parallelize (tensor axis), float8 and per-module precision,
+   activation checkpointing, compile (`cadence.backends.transforms`), then
+   FSDP2 `fully_shard` on every unit, fp32 module and on the root over the
+   data sub-mesh (1-D `shard`, or 2-D `replicate x shard`: HSDP) when the data
+   domain has more than one rank (`cadence.backends.mesh.sharding`).
 5. Point the optimizers at the new (DTensor) parameters, by name.
 6. Broadcast rank 0's state (`set_model_state_dict(..., broadcast_from_rank0=True)`):
    replicas built from different seeds start equal (FSDP2 does not broadcast).
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -37,14 +37,19 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from cadence.backends import float8
 from cadence.backends.ddp import _OPS, DDPBackend, OverlappedAgreement
 from cadence.backends.device import resolve_device
+from cadence.backends.mesh import accumulation, sharding
 from cadence.backends.mesh.config import MeshConfig
+from cadence.backends.mesh.norms import clip_grad_norm, local_tensors
 from cadence.backends.mesh.pipeline import Pipeline, SplitFn, refuse_short_steps, resolve_split
+from cadence.backends.precision import find_overridden
 from cadence.backends.transforms import (
     UnitsFn,
     apply_activation_checkpointing,
     apply_compile,
+    apply_precision,
     find_units,
     unwrap_compiled,
 )
@@ -136,8 +141,7 @@ class MeshBackend(DDPBackend):
         self.data_group: Any = None
         self.sharded = False  # whether fully_shard is applied (a data domain of several ranks, ft, cpu_offload)
         self._fsdp_modules: list[tuple[Any, bool]] = []  # (FSDPModule, its reshard_after_forward)
-        self._root: Any = None
-        self._sync: bool | None = None
+        self._sync: accumulation.GradientSync | None = None  # config.accumulation_sync over the root, when sharded
         # Context and expert parallel (cadence/backends/mesh/context.py, experts.py), set in setup.
         self.context_mesh: Any = None
         self.expert_mesh: Any = None
@@ -192,12 +196,16 @@ class MeshBackend(DDPBackend):
         full = model.state_dict() if self.rank == 0 and self.pipeline is None else {}
         names = {id(p): n for n, p in model.named_parameters()}
         self._transform(model)
-        _rebind_optimizers(engine.optimizers, names, dict(model.named_parameters()))
+        sharding.rebind_optimizers(engine.optimizers, names, dict(model.named_parameters()))
         if self.world_size > 1 and self.pipeline is None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             # FSDP2 does not broadcast: ranks seeded differently would start apart.
             set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        if self.sharded and self.config.float8.enabled and self.config.float8.fsdp_all_gather:
+            from cadence.engine.order import Order
+
+            float8.register_scale_precompute(engine, order=Order.EMA + 1)
         engine.wrapped_model = model
 
     def _validate(self, model: torch.nn.Module) -> None:
@@ -211,6 +219,10 @@ class MeshBackend(DDPBackend):
         units = find_units(model, config.units, self.units_fn)
         if config.activation_checkpointing.mode != "none" and not units:
             apply_activation_checkpointing(units, config.activation_checkpointing)  # raises, naming the fix
+        group = dist.get_backend() if dist.is_initialized() else self._group_backend()
+        _check_large_model_options(
+            model, config, sizes, resolve_device(self.requested_device, process_group=group, current=False)
+        )
         if sizes["context"] > 1:
             from cadence.backends.mesh import context
 
@@ -269,6 +281,12 @@ class MeshBackend(DDPBackend):
             else:
                 model.parallelize(self.mesh)  # type: ignore[operator]
         units = find_units(model, config.units, self.units_fn)
+        # Where parameters are not sharded the run autocasts, and fp32 modules run with autocast off.
+        autocast = None if self.sharded or config.precision == "fp32" else self.device.type
+        units, fp32_modules = apply_precision(
+            model, units, config.precision_overrides, config.float8, where="mesh",
+            autocast_device=autocast, fsdp=self.sharded, strict=self.pipeline is None,
+        )  # fmt: skip
         apply_activation_checkpointing(units, config.activation_checkpointing)
         apply_compile(model, units, config.compile)
         if self.sizes["expert"] * self.sizes["expert_tensor"] > 1:
@@ -279,39 +297,22 @@ class MeshBackend(DDPBackend):
             )
             self._norm_groups = {self._expert_params[0].device_mesh: norm_group}  # type: ignore[attr-defined]
         if self.sharded:  # decided in _build_mesh
-            self._shard(model, units)
+            self._fsdp_modules = sharding.shard(
+                model, units, fp32_modules, mesh=self._data_mesh(), config=config, ignored_params=self._expert_params
+            )
+            self._sync = accumulation.GradientSync(model, config.accumulation_sync)
         if self.ft is not None:
             hook = self.ft.all_reduce_hook()
             for module, _ in self._fsdp_modules:
                 module.set_all_reduce_hook(hook)
 
-    def _shard(self, model: torch.nn.Module, units: Sequence[torch.nn.Module]) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        config = self.config
+    def _data_mesh(self) -> Any:
+        """The mesh FSDP2 shards over: `shard` (with a context axis, shard x context flattened), with `replicate` for HSDP."""
         if self.sizes["context"] > 1:  # parameters sharded over shard x context: gradients averaged over both
             flat = self.mesh["shard", "context"]._flatten("shard_context")
             # Slicing a flattened dim from the root warns (deprecated); the 1-D case keeps the flattened mesh.
-            mesh = self.mesh["replicate", "shard_context"] if self.sizes["replicate"] > 1 else flat
-        else:
-            mesh = self.mesh["replicate", "shard"] if self.sizes["replicate"] > 1 else self.mesh["shard"]
-        options: dict[str, Any] = {
-            "mesh": mesh,
-            "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
-        }
-        if self._expert_params:  # expert gradients are finished by experts.ExpertGradients, not FSDP2
-            options["ignored_params"] = set(self._expert_params)
-        if config.precision == "bf16":
-            reduce = torch.float32 if config.reduce_dtype == "fp32" else torch.bfloat16
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
-        self._fsdp_modules = []
-        for unit in units:
-            fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
-            self._fsdp_modules.append((unit, config.reshard_after_forward))
-        # The root's parameters (embeddings, heads) are used first in backward: kept gathered after forward.
-        fully_shard(model, reshard_after_forward=False, **options)
-        self._fsdp_modules.append((model, False))
-        self._root = model
+            return self.mesh["replicate", "shard_context"] if self.sizes["replicate"] > 1 else flat
+        return self.mesh["replicate", "shard"] if self.sizes["replicate"] > 1 else self.mesh["shard"]
 
     # -- pipeline axis (cadence.backends.mesh.pipeline) ----------------------
 
@@ -373,17 +374,18 @@ class MeshBackend(DDPBackend):
         holders = [module for module, _ in self._fsdp_modules]
         mesh, destroyed = self.mesh, self.created_group
         self.pipeline = None
-        self._root, self._fsdp_modules, self.mesh, self.data_group = None, [], None, None
+        self._sync, self._fsdp_modules, self.mesh, self.data_group = None, [], None, None
         self.context_mesh, self.expert_mesh, self._expert_params, self._norm_groups = None, None, [], {}
         super().teardown()
         if destroyed:
-            _release_groups(holders, mesh)
+            sharding.release_groups(holders, mesh)
 
     # -- the step ---------------------------------------------------------
 
     def step_plan(self, engine: Engine) -> StepPlan:
         plan = super().step_plan(engine)
-        self._sync = None
+        if self._sync is not None:
+            self._sync.reset()
         if not self.sharded:  # tensor-only mesh: gradients are complete after backward
             plan = attrs.evolve(plan, gradient_sync=None)
         if self.pipeline is not None:  # the schedule runs the micro-batches (and syncs gradients itself)
@@ -423,46 +425,35 @@ class MeshBackend(DDPBackend):
         """With a pipeline axis: each evaluation/prediction batch runs forward stage after stage (see `Pipeline.eval_forward`)."""
         return self.pipeline.eval_forward if self.pipeline is not None else None
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's autocast (not under FSDP2: its policy casts); with `loss_parallel`, inside torch's `loss_parallel()`."""
+        context = super().autocast()
+        if not self.config.loss_parallel:
+            return context
+        from cadence.backends.mesh.loss import LossParallelContext
+
+        return LossParallelContext(context)
+
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        """Backpropagate `loss / micro_batches`; with `loss_parallel`, inside its context (the sharded loss needs it)."""
+        if not self.config.loss_parallel:
+            return super().backward(loss, micro_batches)
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            super().backward(loss, micro_batches)
+
     def set_gradient_sync(self, enabled: bool) -> None:
-        # FSDP2 walks every FSDPModule on each call: only when the value changes.
-        if enabled is not self._sync:
-            self._root.set_requires_gradient_sync(enabled)
-            self._sync = enabled
+        # As config.accumulation_sync says (cadence.backends.mesh.accumulation); FSDP2 is told only of changes.
+        self._sync is None or self._sync(enabled)  # None: parameters not sharded, nothing to sync
 
     def clip_grad_norm_(self, engine: Engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every gradient together; returns the pre-clip total norm as a plain tensor.
-
-        Norms are taken per group of gradients on the same mesh (DTensors) or
-        plain, made full (`full_tensor()`: over every shard), combined, and the
-        scale is applied to each rank's local part.
-        """
-        from torch.nn.utils import get_total_norm
-
+        """Clip every gradient together; returns the pre-clip total norm as a plain tensor (`norms.clip_grad_norm`)."""
         grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
-        if not grads and self.pipeline is not None:  # this rank still takes part in the pipeline's sum
-            total = self.pipeline.combine_norm(torch.zeros((), device=self.device), norm_type)
-            return total
-        if not grads:
-            return torch.zeros((), device=self.device)
-        groups: dict[Any, list[torch.Tensor]] = {}
-        for grad in grads:
-            groups.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
-        norms = []
-        for mesh, group in groups.items():
-            if mesh in self._norm_groups:  # sharded over several mesh dims (experts): one all-reduce over them
-                local = get_total_norm(_locals(group), norm_type, foreach=True)
-                norms.append(_combine_norms(local, norm_type, self._norm_groups[mesh]))
-                continue
-            norm = get_total_norm(group, norm_type, foreach=True)
-            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        total = norms[0] if len(norms) == 1 else get_total_norm(norms, norm_type)
-        if self.pipeline is not None:  # sum of p-th powers over the stages
-            total = self.pipeline.combine_norm(total, norm_type)
-        # As torch.nn.utils.clip_grads_with_norm_, on the local parts (no branch on the host).
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            torch._foreach_mul_(_locals(grads), coef.to(grads[0].device))
-        return total
+        combine = self.pipeline.combine_norm if self.pipeline is not None else None
+        return clip_grad_norm(
+            grads, max_norm, norm_type, norm_groups=self._norm_groups, combine=combine, device=self.device
+        )
 
     # -- what callbacks see ------------------------------------------------
 
@@ -477,7 +468,7 @@ class MeshBackend(DDPBackend):
 
     def local_gradients(self, engine: Engine) -> list[torch.Tensor]:
         """This rank's part of every existing gradient (DTensor shards as plain tensors)."""
-        return _locals([p.grad for p in engine.model.parameters() if p.grad is not None])
+        return local_tensors([p.grad for p in engine.model.parameters() if p.grad is not None])
 
     def evaluation(self, engine: Engine) -> contextlib.AbstractContextManager[Any]:
         """Keep gathered parameters through evaluation, so unequal batch counts finish.
@@ -642,52 +633,23 @@ class MeshBackend(DDPBackend):
         return f"mesh(rank={self.rank}/{self.world_size}, {axes}, {pg}, device={self.device}{ft})"
 
 
-def _release_groups(modules: Sequence[Any], mesh: Any) -> None:
-    """Drop the process groups FSDP2 states and device meshes keep (after they were destroyed).
-
-    Private torch fields, each looked up defensively: on another torch version
-    this releases less, never fails.
-    """
-    seen: set[int] = set()
-
-    def clear_mesh(value: Any) -> None:
-        root = getattr(value, "_root_mesh", None) or value
-        registry = getattr(root, "_pg_registry", None)
-        if isinstance(registry, dict):
-            registry.clear()
-
-    def clear_info(info: Any) -> None:
-        if info is None or id(info) in seen:
-            return
-        seen.add(id(info))
-        for name in ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group"):
-            if isinstance(getattr(info, name, None), dist.ProcessGroup):
-                with contextlib.suppress(Exception):
-                    setattr(info, name, None)
-        clear_mesh(getattr(info, "mesh", None))
-
-    if mesh is not None:
-        clear_mesh(mesh)
-    for module in modules:
-        with contextlib.suppress(Exception):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is None:
-                continue
-            for owner in (group, *group.fsdp_params):
-                clear_info(getattr(owner, "mesh_info", None))
-                clear_info(getattr(owner, "post_forward_mesh_info", None))
-                clear_mesh(getattr(owner, "_spmd_mesh", None))
-
-
-def _combine_norms(local: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
-    """The norm over every rank of `group` from each rank's local norm (as DTensor's partial norm reduces)."""
-    if norm_type == float("inf"):
-        total = local.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        return total
-    total = local**norm_type
-    dist.all_reduce(total, group=group)
-    return total ** (1.0 / norm_type)
+def _check_large_model_options(
+    model: torch.nn.Module, config: MeshConfig, sizes: dict[str, int], device: torch.device
+) -> None:
+    """Accumulation, per-module precision, float8 and loss parallel options, on the whole model (docs/backends.md)."""
+    accumulation.validate(config.accumulation_sync, sizes["replicate"])
+    find_overridden(model, config.precision_overrides, "mesh.precision_overrides")
+    if config.loss_parallel and sizes["tensor"] == 1:
+        raise ValueError(
+            "mesh.loss_parallel computes the loss on vocabulary-sharded logits, which needs a tensor axis > 1; "
+            "set mesh.tensor, or loss_parallel=False"
+        )
+    if config.float8.enabled and sizes["tensor"] > 1:
+        raise NotImplementedError(
+            f"mesh: float8 with tensor={sizes['tensor']} is not supported yet (its tensor-parallel styles are "
+            "torchao's float8 ones); set tensor=1 or float8.enabled=False"
+        )
+    float8.require_device(config.float8, device, "mesh")
 
 
 def _has_accelerator() -> bool:
@@ -695,39 +657,3 @@ def _has_accelerator() -> bool:
     if accelerator is not None:
         return bool(accelerator.is_available())
     return torch.cuda.is_available()
-
-
-def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Plain tensors holding this rank's part of each (a DTensor's local shard; else itself)."""
-    with torch.no_grad():
-        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-
-
-def _rebind_optimizers(
-    optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], params: dict[str, torch.nn.Parameter]
-) -> None:
-    """Point each optimizer at the parameters that replaced the ones it was built with (by name).
-
-    `fully_shard` and tensor-parallel styles register new DTensor parameters;
-    an optimizer built before setup still holds the old ones.
-    """
-    for optimizer in optimizers:
-        replaced: dict[int, torch.Tensor] = {}
-        for group in optimizer.param_groups:
-            for i, old in enumerate(group["params"]):
-                name = names.get(id(old))
-                if name is None:
-                    if any(old is p for p in params.values()):
-                        continue
-                    raise ValueError(
-                        f"{type(optimizer).__name__} holds a parameter of shape {tuple(old.shape)} that is not "
-                        "the model's: build the optimizer from model.parameters()"
-                    )
-                new = params[name]
-                if new is not old:
-                    group["params"][i] = new
-                    replaced[id(old)] = new
-        if replaced and optimizer.state:
-            state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
-            state.update({replaced.get(id(k), k): v for k, v in optimizer.state.items()})
-            optimizer.state = state

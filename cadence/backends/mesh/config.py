@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
+from cadence.backends.float8 import Float8Config
 from cadence.backends.mesh.pipeline import PipelineConfig
 from cadence.backends.transforms import ActivationCheckpointConfig, CompileConfig
 
@@ -85,6 +86,20 @@ class MeshConfig:
             "efficient" or "cudnn". On CPU only "math" with a non-causal mask
             works; anything else is refused at setup.
         pipelining: the pipeline axis's split and schedule (`PipelineConfig`).
+        accumulation_sync: how FSDP2 syncs gradients over a step's micro-batches
+            (`cadence.backends.mesh.accumulation`): "last" (unsharded gradients
+            held until the last micro-batch), "every" (reduce-scatter each one:
+            only the shard held), "replicate_last" (HSDP: reduce-scatter each,
+            all-reduce across replicas at the last; needs replicate > 1).
+        precision_overrides: `{module class, name or pattern: "fp32"}`: modules
+            that compute in fp32 under bf16 (`cadence.backends.precision`): their
+            own FSDP2 units with an fp32 `MixedPrecisionPolicy`, or autocast off
+            where parameters are not sharded.
+        float8: float8 training through torchao (`cadence.backends.float8.Float8Config`).
+        loss_parallel: forward, loss and backward run inside
+            `torch.distributed.tensor.parallel.loss_parallel()`: cross-entropy
+            on vocabulary-sharded logits (the output projection column-wise with
+            `use_local_output=False` in the model's plan). Needs tensor > 1.
     """
 
     replicate: int = attrs.field(default=1, validator=_axis)
@@ -107,6 +122,11 @@ class MeshConfig:
     checkpoint: Literal["dcp"] = "dcp"
     context_attention: Literal["auto", "math", "flash", "efficient", "cudnn"] = "auto"
     pipelining: PipelineConfig = attrs.field(factory=PipelineConfig)
+    # -- large models (issue 35): one block, kept together --
+    accumulation_sync: Literal["last", "every", "replicate_last"] = "last"
+    precision_overrides: dict[str, str] = attrs.field(factory=dict)
+    float8: Float8Config = attrs.field(factory=Float8Config)
+    loss_parallel: bool = False
 
     def __attrs_post_init__(self) -> None:
         rest = [name for name in AXES if getattr(self, name) == -1]
