@@ -84,7 +84,10 @@ def test_without_a_capable_gpu_float8_is_one_error_before_any_group(monkeypatch)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: joining a group would fail differently
-    for backend in (DDPBackend(device="cpu", float8={"enabled": True}), MeshBackend(shard=2, float8={"enabled": True})):
+    for backend in (
+        DDPBackend(device="cpu", float8={"enabled": True}),
+        MeshBackend(shard=2, float8={"enabled": True}, device="cpu"),
+    ):
         with pytest.raises(ValueError, match=wanted):
             make_engine(backend)
         assert not dist.is_initialized()
@@ -121,7 +124,7 @@ def test_float8_with_a_tensor_axis_is_refused_before_any_group(monkeypatch):
     with pytest.raises(NotImplementedError, match=r"float8 with tensor=2 is not supported yet"):
         cadence.Engine(
             model, torch.optim.SGD(model.parameters()), dataset(), loss_fn=F.cross_entropy, device="cpu",
-            backend=MeshBackend(shard=1, tensor=2, float8=EMULATED),
+            backend=MeshBackend(shard=1, tensor=2, float8=EMULATED, device="cpu"),
         )  # fmt: skip
     assert not dist.is_initialized()
 

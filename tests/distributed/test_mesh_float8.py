@@ -63,7 +63,7 @@ def train_float8() -> dict:
         for gather, precision in ((True, "fp32"), (False, "fp32"), (True, "bf16")):
             losses: list[float] = []
             float8 = {"enabled": True, "emulate": True, "fsdp_all_gather": gather}
-            backend = MeshBackend(shard=2, float8=float8, precision=precision, timeout=30)
+            backend = MeshBackend(shard=2, float8=float8, precision=precision, timeout=30, device="cpu")
             model = Net(seed=int(os.environ["RANK"]))
             with make_engine(model, backend, 4, losses) as engine:
                 engine.fit(steps=STEPS)

@@ -235,7 +235,10 @@ def train_two_ranks() -> dict:
         for name, backend in (
             ("ddp", DDPBackend(device="cpu", precision="bf16", precision_overrides=OVERRIDES)),
             ("fsdp2", MeshBackend(shard=2, precision="bf16", precision_overrides=OVERRIDES, device="cpu")),
-            ("pattern", MeshBackend(shard=2, precision="bf16", precision_overrides={"blocks.*.norm": "fp32"})),
+            (
+                "pattern",
+                MeshBackend(shard=2, precision="bf16", precision_overrides={"blocks.*.norm": "fp32"}, device="cpu"),
+            ),
         ):
             model = Net(seed=int(os.environ["RANK"]))  # apart: the backends start the ranks equal
             with make_engine(backend, BATCH // 2, model) as engine:

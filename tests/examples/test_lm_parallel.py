@@ -95,7 +95,7 @@ def train_variants() -> dict:
         results = {}
         for sequence, loss in VARIANTS:
             plan = partial(lm.Transformer.parallelize, sequence_parallel=sequence, loss_parallel=loss)
-            backend = MeshBackend(shard=1, tensor=2, loss_parallel=loss, parallelize=plan, timeout=30)
+            backend = MeshBackend(shard=1, tensor=2, loss_parallel=loss, parallelize=plan, timeout=30, device="cpu")
             logits = Logits()
             with make_engine(backend, [logits]) as engine:
                 engine.fit(steps=STEPS)
