@@ -20,10 +20,12 @@ machine with a GPU any other test that initializes CUDA fails, naming itself
 (`_cuda_stays_uninitialized`): it would break every forking test after it.
 A `cuda` test that must fork starts its workers with spawn.
 
-Finding tests that rely on the default device without a GPU: run with
-`CADENCE_TEST_EXPLICIT_DEVICE=1` and every backend that falls back to its
-default device (`device=None`) raises, in the test process and in its forked
-workers, unless the test is marked `cuda` or `default_device`.
+Tests that rely on the default device are found without a GPU: every backend
+that falls back to its default device (`device=None`) raises, in the test
+process and in its forked workers, unless the test is marked `cuda` or
+`default_device`. This guard is on in every run (CI's included), so a new test
+that would take a GPU on a GPU host fails on a CPU machine first;
+`CADENCE_TEST_EXPLICIT_DEVICE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -97,12 +99,12 @@ def cpu_default_device(monkeypatch):
 
 
 class DefaultDeviceUsed(RuntimeError):
-    """Raised under CADENCE_TEST_EXPLICIT_DEVICE=1 when a backend falls back to its default device."""
+    """Raised when a test's backend falls back to its default device (unless CADENCE_TEST_EXPLICIT_DEVICE=0)."""
 
 
 @pytest.fixture(autouse=True)
 def _explicit_device_only(request, monkeypatch):
-    if os.environ.get("CADENCE_TEST_EXPLICIT_DEVICE") != "1":
+    if os.environ.get("CADENCE_TEST_EXPLICIT_DEVICE", "1") == "0":
         return
     if any(request.node.get_closest_marker(m) for m in CUDA_PHASE):
         return
