@@ -132,3 +132,23 @@ def test_a_slow_first_step_waits_under_init_timeout_and_a_later_one_fails_after_
     # Step 1's 3 s wait passed; step 4's failed after about the steady timeout, in DDP's all-reduce.
     assert rank0["step"] == 3 and "timeout" in rank0["error"].lower(), rank0  # gloo's words vary by where it waits
     assert SLEEP + STEADY <= rank0["after"] < SLEEP + FIRST, rank0  # the first wait, then ~1.5 s (not 3 s, not 10)
+
+
+def nccl_switch(out):
+    model = tiny_model(seed=3)
+    backend = DDPBackend(timeout=60, init_timeout=600, device="cuda")
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_dataset(64), loss_fn=F.cross_entropy,
+        backend=backend, seed=0, train={"batch_size": 4},
+    )  # fmt: skip
+    first = engine.backend.timeout.total_seconds()
+    engine.fit(steps=2)  # ProcessGroup.set_timeout on an NCCL group at the end of step 1
+    switched = not any(isinstance(cb, TimeoutSwitch) for cb in engine.callbacks)
+    result = [torch.distributed.get_backend(), first, engine.backend.timeout.total_seconds(), switched]
+    engine.close()
+    return result
+
+
+@pytest.mark.cuda
+def test_the_switch_sets_the_steady_timeout_on_an_nccl_group():
+    assert launch(nccl_switch, None, nprocs=1, start_method="spawn", timeout=300) == ["nccl", 600.0, 60.0, True]

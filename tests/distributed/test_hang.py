@@ -8,11 +8,15 @@ can move: the heartbeat (1.5 s) reports both and dumps their stacks and flight r
 timeout (6 s) ends the run. The workers are spawned, not forked: the flight recorder's size is read when a
 process starts its first process group, and a forked worker inherits the test process's recorder, which an
 earlier test's group may already have fixed at 0.
+
+With NCCL (CUDA tests): one rank whose all-reduce is still queued behind a busy stream when dumped, and
+(two GPUs) the same staged hang.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,7 +33,7 @@ from cadence.cli.hang_report import build_report
 from cadence.launch import WorkerError, launch
 from tests.conftest import tiny_dataset, tiny_model
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 SKIP_STEP, GROUP_TIMEOUT, STALL_TIMEOUT = 3, 6.0, 1.5
 
@@ -39,13 +43,17 @@ class SideSum(cadence.Callback):
 
     raises_requests = False
 
+    def __init__(self, device="cpu"):
+        self.device = device
+
     def on_fit_start(self, engine):
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT))
+        backend = "gloo" if self.device == "cpu" else "nccl"
+        self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=GROUP_TIMEOUT))
 
     def on_step_end(self, engine):
         if engine.backend.rank == 1 and engine.state.step == SKIP_STEP:
             return  # the bug: this rank skips a collective the others make
-        dist.all_reduce(torch.ones(1), group=self.group)
+        dist.all_reduce(torch.ones(1, device=self.device), group=self.group)
 
 
 def hang_worker(workspace):
@@ -102,3 +110,68 @@ def test_a_skipped_collective_is_reported_with_rank_step_event_callback_and_sequ
     assert "rank 1 (" in text and f"step {SKIP_STEP + 1}, on_forward" in text
     assert first.text in text and second.text in text
     assert (folder / "flight-recorder-rank-0").exists() and (folder / "flight-recorder-rank-1").exists()
+
+
+# -- NCCL (CUDA tests: skipped with the reason where there is no GPU) --------------------------------------
+
+
+def nccl_worker(workspace):
+    """One NCCL rank: the recorder holds NCCL's collectives, and a collective still running shows as waited in."""
+    from cadence.backends.flight_recorder import DUMP_FILE_VARIABLES
+
+    model = tiny_model(seed=3)
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_dataset(64), loss_fn=F.cross_entropy,
+        callbacks=[Heartbeat(interval=0.25, timeout=60)], backend=DDPBackend(device="cuda"), seed=0,
+        train={"batch_size": 4}, workspace=workspace,
+    )  # fmt: skip
+    assert dist.get_backend() == "nccl" and engine.backend.flight_recorder.entries == 2000
+    engine.fit(steps=3)
+    folder = engine.run_dir / "heartbeat"
+    # NCCL's own dump on a timeout goes to the heartbeat folder (torch appends the rank).
+    assert os.environ[DUMP_FILE_VARIABLES[0]] == str(folder / "flight-recorder-rank-")
+    tensor = torch.ones(1024, device="cuda")
+    torch.cuda._sleep(int(3e9))  # keep the stream busy: the all-reduce queued behind it has not run yet
+    work = dist.all_reduce(tensor, async_op=True)
+    engine.backend.flight_recorder.dump(folder, 0)
+    work.wait()
+    torch.cuda.synchronize()
+    engine.close()
+    return str(folder)
+
+
+@pytest.mark.cuda
+def test_nccl_collectives_are_recorded_and_one_still_running_is_named(tmp_path):
+    folder = Path(launch(nccl_worker, str(tmp_path), nprocs=1, start_method="spawn", timeout=300))
+    report = build_report(folder)
+    view = report.ranks[0]
+    assert any(c.op == "all_reduce" and c.group == "0" for c in view.collectives), view.collectives
+    waiting = view.waiting()
+    assert waiting is not None and waiting.op == "all_reduce" and waiting.shapes == "float32[1024]", view.collectives
+    assert waiting.seq == max(c.seq for c in view.collectives if c.group == "0")
+
+
+@pytest.mark.cuda(gpus=2)
+@pytest.mark.slow
+def test_a_skipped_collective_on_nccl_is_reported_too(tmp_path):
+    launch_env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}  # a timed-out rank tears itself down (torch's default)
+    with pytest.raises(WorkerError):
+        launch(nccl_hang_worker, str(tmp_path), nprocs=2, start_method="spawn", timeout=180, env=launch_env)
+    report = build_report(next(tmp_path.rglob("heartbeat")))
+    assert report.ranks[0].position == (SKIP_STEP, "on_step_end")
+    assert report.ranks[0].where.startswith("SideSum.on_step_end")
+    first = report.findings[0]
+    assert first.kind == "missing" and first.seq == SKIP_STEP and "never issued by rank 1" in first.text, (
+        report.findings
+    )
+
+
+def nccl_hang_worker(workspace):
+    model = tiny_model(seed=3)
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_dataset(64), loss_fn=F.cross_entropy,
+        callbacks=[Heartbeat(interval=0.25, timeout=STALL_TIMEOUT), SideSum(device="cuda")],
+        backend=DDPBackend(timeout=GROUP_TIMEOUT, device="cuda"), seed=0, train={"batch_size": 4},
+        workspace=workspace,
+    )  # fmt: skip
+    engine.fit(steps=6)
