@@ -97,8 +97,12 @@ class FlightRecorder:
         return cls(0, "cadence")
 
     def dump_into(self, folder: Path) -> None:
-        """Have torch's own dumps (NCCL, on a collective timeout) land in `folder`, unless a variable names a file."""
-        if self.entries and not any(os.environ.get(name) for name in DUMP_FILE_VARIABLES):
+        """Have torch's own dumps (NCCL, on a collective timeout) land in `folder`, unless a variable names a file.
+
+        A name an earlier fit set (one ending in `DUMP_PREFIX`) is replaced: torch reads it at its first dump.
+        """
+        names = [os.environ.get(name) for name in DUMP_FILE_VARIABLES]
+        if self.entries and not any(name and not name.endswith(DUMP_PREFIX) for name in names):
             os.environ[DUMP_FILE_VARIABLES[0]] = str(folder / DUMP_PREFIX)
 
     def dump(self, folder: Path, rank: int) -> Path | None:

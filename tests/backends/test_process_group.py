@@ -83,7 +83,8 @@ def test_dumps_go_to_the_heartbeat_folder_unless_a_file_is_named(tmp_path, monke
     FlightRecorder(0, "cadence").dump_into(tmp_path)  # off: torch writes nothing, nothing is set
     assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
     assert FlightRecorder(0, "cadence").dump(tmp_path, 0) is None and not any(tmp_path.iterdir())
-    FlightRecorder(100, "cadence").dump_into(tmp_path)
+    FlightRecorder(100, "cadence").dump_into(tmp_path / "a")
+    FlightRecorder(100, "cadence").dump_into(tmp_path)  # a later fit's folder replaces an earlier fit's
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight-recorder-rank-")  # torch appends the rank
     monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/elsewhere/trace_")
     FlightRecorder(100, "cadence").dump_into(tmp_path)
