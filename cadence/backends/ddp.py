@@ -1,12 +1,10 @@
 """Distributed data parallel: one model replica per process, gradients all-reduced.
 
-Every rank holds the whole model and optimizer; `DistributedDataParallel`
-averages gradients during backward (only on the last micro-batch of a step:
-the others run with `require_backward_grad_sync` off). Data is sharded by the engine from
-`data_rank`/`data_size`: training data with torchdata's `StatefulDistributedSampler`
-(padded, so every rank takes the same steps), evaluation and prediction data with
-`ExactShardSampler` (each sample once, no padding, so means are exact).
-The data and optimizer domains are both the whole world.
+Every rank holds the whole model and optimizer; `DistributedDataParallel` averages gradients during backward
+(only on the last micro-batch of a step: the others run with `require_backward_grad_sync` off). Data is sharded
+by the engine from `data_rank`/`data_size`: training data with torchdata's `StatefulDistributedSampler` (padded,
+so every rank takes the same steps), evaluation and prediction data with `ExactShardSampler` (each sample once,
+no padding, so means are exact). The data and optimizer domains are both the whole world.
 
 With `ft` (TorchFT, see `cadence.backends.ft` and docs/fault-tolerance.md) the
 world is one replica group: gradients are all-reduced across replica groups by
@@ -217,8 +215,7 @@ class DDPBackend(LocalBackend):
         return choose_process_group_backend(self.process_group_backend, device)
 
     def _init_process_group(self) -> None:
-        settings, device = self.group_settings, self.requested_device
-        self.flight_recorder = start_group("DDPBackend", self._group_backend(), settings, device)
+        self.flight_recorder = start_group(self._group_backend(), self.group_settings, self.requested_device)
         self.created_group = True
 
     def teardown(self) -> None:
@@ -238,9 +235,7 @@ class DDPBackend(LocalBackend):
 
     def step_plan(self, engine: Engine) -> StepPlan:
         plan = super().step_plan(engine)
-        if self.created_group:  # init_timeout until the first steps end (cadence.backends.process_group)
-            self._switch = self._switch or TimeoutSwitch(self.group_settings, self._timeout_groups)
-            self._switch.arm(engine)
+        self._arm_timeout_switch(engine)
         if self.ft is None:
             return self._with_overlapped_agreement(plan)
         import attrs
@@ -343,8 +338,13 @@ class DDPBackend(LocalBackend):
         self._overlapped.join(self.group, self.timeout)
         return attrs.evolve(plan, agree_start=self._overlapped.start, agree_finish=self._overlapped.finish)
 
+    def _arm_timeout_switch(self, engine: Engine) -> None:
+        """At a fit's start: `init_timeout` until the first steps end on the groups this backend created (the
+        world, and the agreement's own group when it has one)."""
+        if self.created_group:
+            self._switch = (self._switch or TimeoutSwitch(self.group_settings, self._timeout_groups)).arm(engine)
+
     def _timeout_groups(self) -> list[Any]:
-        """The groups this backend created: the world, and the agreement's own group when it has one."""
         return [dist.group.WORLD] + ([self._overlapped.group] if self._overlapped.owned else [])
 
     def _allocate_agreement(self, slots: int) -> None:

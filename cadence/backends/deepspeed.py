@@ -85,8 +85,7 @@ class DeepSpeedConfig:
         timeout: collective timeout in seconds, in steady state.
         init_timeout, init_steps, flight_recorder: how the process group starts, as `DDPBackend`'s
             (`cadence.backends.process_group.GroupSettings`).
-        device: `"cuda"` is `cuda:LOCAL_RANK`; None: `cuda:LOCAL_RANK` when CUDA is available, else
-            the CPU (`cadence.backends.device`).
+        device: `"cuda"` is `cuda:LOCAL_RANK`; None: that GPU with CUDA, else the CPU (`cadence.backends.device`).
     """
 
     zero_stage: int = attrs.field(default=0, validator=attrs.validators.in_((0, 1, 2, 3)))
@@ -280,6 +279,7 @@ class DeepSpeedBackend(DDPBackend):
             skip_step=self._skip,
             zero_grad=None,  # DeepSpeed zeroes in its step
         )
+        self._arm_timeout_switch(engine)  # init_timeout until the first steps end (cadence.backends.process_group)
         return self._with_overlapped_agreement(plan)
 
     @property

@@ -105,7 +105,7 @@ class GroupSettings:
         return self.init_timeout if self.init_timeout is not None else self.timeout
 
 
-def start_group(owner: str, group_backend: str, settings: GroupSettings, device: str | None) -> FlightRecorder:
+def start_group(group_backend: str, settings: GroupSettings, device: str | None) -> FlightRecorder:
     """`init_process_group` from the launcher's environment, the flight recorder on before it; returns the recorder.
 
     `device` is the backend's requested device (`cadence.backends.device.resolve_device`).
@@ -113,7 +113,7 @@ def start_group(owner: str, group_backend: str, settings: GroupSettings, device:
     missing = [name for name in REQUIRED_ENV if name not in os.environ]
     if missing:
         raise RuntimeError(
-            f"{owner}: no process group is initialized and the environment lacks {missing}. "
+            f"DDPBackend: no process group is initialized and the environment lacks {missing}. "
             "Start the script with `torchrun --nproc_per_node N script.py`, call `cadence.launch(fn, nprocs=N)`, "
             "or call torch.distributed.init_process_group yourself first."
         )
@@ -152,10 +152,11 @@ class TimeoutSwitch(Callback):
         self.steps = 0
         self._handle: Handle | None = None
 
-    def arm(self, engine: Engine) -> None:
-        """Register on `engine` (once), unless the steady timeout is already in force."""
+    def arm(self, engine: Engine) -> TimeoutSwitch:
+        """Register on `engine` (once), unless the steady timeout is already in force; returns itself."""
         if self.current != self.settings.timeout and self._handle is None:
             self._handle = engine.add_callback(self)
+        return self
 
     def on_step_end(self, engine: Engine) -> None:
         self.steps += 1

@@ -135,6 +135,35 @@ def test_a_slow_first_step_waits_under_init_timeout_and_a_later_one_fails_after_
     assert SLEEP + STEADY <= rank0["after"] < SLEEP + FIRST, rank0  # the first wait, then ~1.5 s (not 3 s, not 10)
 
 
+def switch_worker(kind):
+    model = tiny_model(seed=3)
+    settings = {"timeout": 60, "init_timeout": 600, "device": "cpu"}
+    if kind == "deepspeed":
+        from cadence.backends.deepspeed import DeepSpeedBackend
+
+        backend = DeepSpeedBackend(zero_stage=1, **settings)
+    else:
+        backend = MeshBackend(shard=2, **settings)
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_dataset(64), loss_fn=F.cross_entropy,
+        backend=backend, seed=0, train={"batch_size": 4},
+    )  # fmt: skip
+    first = engine.backend.timeout.total_seconds()
+    engine.fit(steps=2)
+    switched = not any(isinstance(cb, TimeoutSwitch) for cb in engine.callbacks)
+    result = [first, engine.backend.timeout.total_seconds(), switched, engine.backend.flight_recorder is not None]
+    engine.close()
+    return result
+
+
+@pytest.mark.parametrize("kind", ["mesh", "deepspeed"])
+def test_mesh_and_deepspeed_start_their_group_the_same_way(kind):
+    if kind == "deepspeed":
+        pytest.importorskip("deepspeed", reason="the DeepSpeed backend needs cadence[deepspeed]")
+    env = {"DS_ACCELERATOR": "cpu"}
+    assert launch(switch_worker, kind, nprocs=2, start_method="fork", timeout=120, env=env) == [600.0, 60.0, True, True]
+
+
 def nccl_switch(out):
     model = tiny_model(seed=3)
     backend = DDPBackend(timeout=60, init_timeout=600, device="cuda")
