@@ -345,8 +345,8 @@ class Heartbeat(Callback):
                 self._watch.scan()
             why = self._requests.new() if self._requests is not None else None
             if why is not None and self.directory is not None:  # every rank dumps: the dumps show one moment
+                self._dump_flight_recorder()  # first: `cadence hang --dump` waits for the stacks, written last
                 dump_stacks(stacks_path(self.directory, self.rank), f"rank {self.rank} dumps on request: {why}")
-                self._dump_flight_recorder()
 
     def _report_own(self, stalled: float) -> None:
         event, step = self.event, self.step
