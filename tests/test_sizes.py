@@ -23,10 +23,10 @@ CLASS_LINES = 300
 
 #: "path" for a file, "path::Class" for a class (nested: "path::Outer.Inner") -> its size when listed.
 OVER_BUDGET: dict[str, int] = {
-    "cadence/backends/ddp.py": 465,
+    "cadence/backends/ddp.py": 464,
     "cadence/backends/ddp.py::DDPBackend": 337,
     "cadence/backends/deepspeed.py": 633,
-    "cadence/backends/deepspeed.py::DeepSpeedBackend": 358,
+    "cadence/backends/deepspeed.py::DeepSpeedBackend": 355,
     "cadence/backends/ft.py": 776,
     "cadence/backends/ft.py::FaultTolerance": 362,
     "cadence/backends/mesh/backend.py": 659,

@@ -1,12 +1,10 @@
 """Distributed data parallel: one model replica per process, gradients all-reduced.
 
-Every rank holds the whole model and optimizer; `DistributedDataParallel`
-averages gradients during backward (only on the last micro-batch of a step:
-the others run with `require_backward_grad_sync` off). Data is sharded by the engine from
-`data_rank`/`data_size`: training data with torchdata's `StatefulDistributedSampler`
-(padded, so every rank takes the same steps), evaluation and prediction data with
-`ExactShardSampler` (each sample once, no padding, so means are exact).
-The data and optimizer domains are both the whole world.
+Every rank holds the whole model and optimizer; `DistributedDataParallel` averages gradients during backward
+(only on the last micro-batch of a step: the others run with `require_backward_grad_sync` off). Data is sharded
+by the engine from `data_rank`/`data_size`: training data with torchdata's `StatefulDistributedSampler` (padded,
+so every rank takes the same steps), evaluation and prediction data with `ExactShardSampler` (each sample once,
+no padding, so means are exact). The data and optimizer domains are both the whole world.
 
 With `ft` (TorchFT, see `cadence.backends.ft` and docs/fault-tolerance.md) the
 world is one replica group: gradients are all-reduced across replica groups by
@@ -26,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.device import choose_process_group_backend, resolve_device
+from cadence.backends.flight_recorder import DEFAULT_ENTRIES, FlightRecorder
 from cadence.backends.local import LocalBackend, Precision
+from cadence.backends.process_group import GroupSettings, TimeoutSwitch, start_group
 from cadence.backends.transforms import ModelTransforms, UnitsFn
 from cadence.engine.backend import Domain, ReduceOp, StepPlan
 
@@ -42,33 +42,31 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 
 class DDPBackend(LocalBackend):
     """`DistributedDataParallel` over a torch.distributed process group.
 
-    Joins the process group from the environment `torchrun` or
-    `cadence.launch` set (unless one is already initialized), and destroys it
-    at `engine.close()` only if it created it.
+    Joins the process group from the environment `torchrun` or `cadence.launch` set (unless one is already
+    initialized), and destroys it at `engine.close()` only if it created it.
 
     Args:
         backend: process-group backend; None: "nccl" with CUDA, else "gloo".
-        timeout: collective timeout (`timedelta` or seconds); default 300 s.
+        timeout: collective timeout (`timedelta` or seconds) in steady state; default 300 s.
+        init_timeout, init_steps: a longer timeout until the first `init_steps` steps end (None: `timeout`);
+            flight_recorder: torch's flight recorder entries (`cadence.backends.process_group.GroupSettings`).
         find_unused_parameters: passed to DDP (for models that skip parameters).
         broadcast_buffers: sync buffers (BatchNorm stats) from rank 0 every forward.
         gradient_as_bucket_view: gradients alias DDP's buckets (saves a copy).
-        device: `"cuda"` is `cuda:LOCAL_RANK`; None: `cuda:LOCAL_RANK` with NCCL, the CPU with gloo
-            (`cadence.backends.device`).
+        device: `"cuda"` is `cuda:LOCAL_RANK`; None: that GPU with NCCL, the CPU with gloo (`cadence.backends.device`).
         precision: "fp32", "bf16" or "fp16" (CUDA), as in `LocalBackend`.
-        checkpoint: "file": the main process writes one file checkpoint; "dcp": every rank
-            writes its part with torch.distributed.checkpoint (`DCPStore`; async saves
-            through DCP's own staging, a checkpoint that loads on any number of ranks).
-        ft: TorchFT fault tolerance across replica groups (`FTConfig` or a
-            mapping of its fields); this launch is one replica group, which
-            must be one process (`WORLD_SIZE=1`). See docs/fault-tolerance.md.
-        compile, activation_checkpointing, units, units_fn, precision_overrides, float8:
-            model transforms applied before the DDP wrap, as in `LocalBackend`.
+        checkpoint: "file": the main process writes one file checkpoint; "dcp": every rank writes its part with
+            torch.distributed.checkpoint (`DCPStore`; async saves through DCP's own staging, a checkpoint that
+            loads on any number of ranks).
+        ft: TorchFT fault tolerance across replica groups (`FTConfig` or a mapping of its fields); this launch
+            is one replica group, which must be one process (`WORLD_SIZE=1`). See docs/fault-tolerance.md.
+        compile, activation_checkpointing, units, units_fn, precision_overrides, float8: model transforms
+            applied before the DDP wrap, as in `LocalBackend`.
 
     Example:
         >>> import torch, cadence
@@ -88,6 +86,9 @@ class DDPBackend(LocalBackend):
     #: TorchFT fault tolerance (`ft=`), None without it; a class default, so subclasses that set up
     #: their own attributes (mesh, DeepSpeed) inherit "none".
     ft: FaultTolerance | None = None
+    #: torch's flight recorder (`cadence.backends.flight_recorder`) once this backend started its process group.
+    flight_recorder: FlightRecorder | None = None
+    _switch: TimeoutSwitch | None = None
 
     def __init__(
         self,
@@ -100,6 +101,9 @@ class DDPBackend(LocalBackend):
         precision: str = "fp32",
         checkpoint: str = "file",
         *,
+        init_timeout: timedelta | float | None = None,
+        init_steps: int = 1,
+        flight_recorder: int = DEFAULT_ENTRIES,
         ft: FTConfig | Mapping[str, Any] | None = None,
         compile: Any = None,
         activation_checkpointing: Any = None,
@@ -113,7 +117,7 @@ class DDPBackend(LocalBackend):
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"DDPBackend(precision={precision!r}): expected 'fp32', 'bf16' or 'fp16'")
         self.process_group_backend = backend
-        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self.group_settings = GroupSettings.build("DDPBackend", timeout, init_timeout, init_steps, flight_recorder)
         self.ddp_options: dict[str, Any] = {
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -151,13 +155,20 @@ class DDPBackend(LocalBackend):
             assert config is not None
             self.ft = FaultTolerance(config)  # validates replica ids and the lighthouse address
 
+    @property
+    def timeout(self) -> timedelta:
+        """The timeout of collectives now: `init_timeout` until the first steps ended, then `timeout`."""
+        return self._switch.current if self._switch is not None else self.group_settings.first_timeout
+
     # -- lifecycle --------------------------------------------------------
 
     def setup(self, engine: Engine) -> None:
         if not dist.is_available():
             raise RuntimeError("DDPBackend: this torch build has no torch.distributed support")
-        if not dist.is_initialized():
-            self._check_before_group()
+        if not dist.is_initialized():  # what setup would refuse after the group started is refused before it:
+            device = resolve_device(self.requested_device, process_group=self._group_backend(), current=False)
+            Precision.create(self.precision_name, device)  # a device not here, fp16 without CUDA: no group left
+            self.transforms.check(device, type(self).name)  # float8 without a capable GPU
             self._init_process_group()
         self.group = dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -203,36 +214,15 @@ class DDPBackend(LocalBackend):
         device = resolve_device(self.requested_device, current=False)
         return choose_process_group_backend(self.process_group_backend, device)
 
-    def _check_before_group(self) -> None:
-        # What setup would refuse after joining the group (a device not here or out of
-        # range, fp16 without CUDA) is refused before: a failed Engine() leaves no group.
-        device = resolve_device(self.requested_device, process_group=self._group_backend(), current=False)
-        Precision.create(self.precision_name, device)
-        self.transforms.check(device, type(self).name)  # float8 without a capable GPU
-
     def _init_process_group(self) -> None:
-        missing = [name for name in _REQUIRED_ENV if name not in os.environ]
-        if missing:
-            raise RuntimeError(
-                f"DDPBackend: no process group is initialized and the environment lacks {missing}. "
-                "Start the script with `torchrun --nproc_per_node N script.py`, call `cadence.launch(fn, nprocs=N)`, "
-                "or call torch.distributed.init_process_group yourself first."
-            )
-        backend = self._group_backend()
-        kwargs: dict[str, Any] = {}
-        device = resolve_device(self.requested_device, process_group=backend)
-        if backend == "nccl" and device.type == "cuda":  # bound to this rank's GPU: NCCL starts eagerly on it
-            kwargs["device_id"] = device
-        dist.init_process_group(backend, timeout=self.timeout, **kwargs)
+        self.flight_recorder = start_group(self._group_backend(), self.group_settings, self.requested_device)
         self.created_group = True
 
     def teardown(self) -> None:
-        # Drop every reference to the process group (the DDP wrapper's reducer
-        # holds one, so does `self.group`): destroy_process_group() only shuts a
-        # group down, and one whose last reference goes at interpreter exit can
-        # abort the process there (gloo: "terminate called without an active
-        # exception"). A group the user created is the user's to destroy, but
-        # it must not be kept alive by us either.
+        # Drop every reference to the process group (the DDP wrapper's reducer holds one, so does `self.group`):
+        # destroy_process_group() only shuts a group down, and one whose last reference goes at interpreter exit
+        # can abort the process there (gloo: "terminate called without an active exception"). A group the user
+        # created is the user's to destroy, but it must not be kept alive by us either.
         if self.ft is not None:
             self.ft.shutdown()
         self._overlapped.close(destroy=not self.created_group)
@@ -245,6 +235,7 @@ class DDPBackend(LocalBackend):
 
     def step_plan(self, engine: Engine) -> StepPlan:
         plan = super().step_plan(engine)
+        self._arm_timeout_switch(engine)
         if self.ft is None:
             return self._with_overlapped_agreement(plan)
         import attrs
@@ -347,9 +338,17 @@ class DDPBackend(LocalBackend):
         self._overlapped.join(self.group, self.timeout)
         return attrs.evolve(plan, agree_start=self._overlapped.start, agree_finish=self._overlapped.finish)
 
+    def _arm_timeout_switch(self, engine: Engine) -> None:
+        """At a fit's start: `init_timeout` until the first steps end on the groups this backend created (the
+        world, and the agreement's own group when it has one)."""
+        if self.created_group:
+            self._switch = (self._switch or TimeoutSwitch(self.group_settings, self._timeout_groups)).arm(engine)
+
+    def _timeout_groups(self) -> list[Any]:
+        return [dist.group.WORLD] + ([self._overlapped.group] if self._overlapped.owned else [])
+
     def _allocate_agreement(self, slots: int) -> None:
-        # Grows when a callback registers a request kind; every rank registers
-        # the same kinds, so every rank's buffer has the same size.
+        # Grows when a callback registers a request kind; every rank registers the same kinds: equal sizes.
         on_host = self.device.type == "cpu" or dist.get_backend(self.group) == "gloo"
         pin = not on_host and self.device.type == "cuda"
         self._agree_host, self._agree_view = _slots(slots, pin)

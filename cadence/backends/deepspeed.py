@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend
+from cadence.backends.flight_recorder import DEFAULT_ENTRIES
+from cadence.backends.process_group import GroupSettings
 from cadence.engine import config as config_module
 from cadence.engine.backend import NULL_CONTEXT, LocalParameter, StepPlan, move_to
 
@@ -73,19 +75,17 @@ class DeepSpeedConfig:
     ...); a raw key that contradicts one Cadence sets is an error naming both.
 
     Attributes:
-        zero_stage: ZeRO stage 0 (data parallel), 1 (optimizer states
-            partitioned), 2 (+ gradients), 3 (+ parameters).
-        precision: "fp32", "bf16" (DeepSpeed keeps bf16 weights with fp32
-            masters; batches' floating tensors are cast to bf16) or "fp16"
-            (CUDA only); None: the engine's `precision`.
+        zero_stage: ZeRO stage 0 (data parallel), 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters).
+        precision: "fp32", "bf16" (DeepSpeed keeps bf16 weights with fp32 masters; batches' floating tensors are
+            cast to bf16) or "fp16" (CUDA only); None: the engine's `precision`.
         deepspeed: raw DeepSpeed config keys merged into the generated config.
-        shm_comm: let `deepspeed.init_distributed` build DeepSpeed's
-            shared-memory op on CPU (a JIT compile of about a minute the first
-            time; it serves only inference all-reduce, training collectives go
-            through torch.distributed either way).
-        timeout: collective timeout in seconds.
-        device: `"cuda"` is `cuda:LOCAL_RANK`; None: `cuda:LOCAL_RANK` when CUDA is available, else
-            the CPU (`cadence.backends.device`).
+        shm_comm: let `deepspeed.init_distributed` build DeepSpeed's shared-memory op on CPU (a JIT compile of
+            about a minute the first time; it serves only inference all-reduce, training collectives go through
+            torch.distributed either way).
+        timeout: collective timeout in seconds, in steady state.
+        init_timeout, init_steps, flight_recorder: how the process group starts, as `DDPBackend`'s
+            (`cadence.backends.process_group.GroupSettings`).
+        device: `"cuda"` is `cuda:LOCAL_RANK`; None: that GPU with CUDA, else the CPU (`cadence.backends.device`).
     """
 
     zero_stage: int = attrs.field(default=0, validator=attrs.validators.in_((0, 1, 2, 3)))
@@ -93,6 +93,9 @@ class DeepSpeedConfig:
     deepspeed: dict[str, Any] = attrs.field(factory=dict)
     shm_comm: bool = False
     timeout: float = attrs.field(default=DEFAULT_TIMEOUT.total_seconds(), validator=attrs.validators.gt(0))
+    init_timeout: float | None = None
+    init_steps: int = 1
+    flight_recorder: int = DEFAULT_ENTRIES
     device: str | None = None
 
 
@@ -131,7 +134,8 @@ class DeepSpeedBackend(DDPBackend):
         self._deepspeed = _require_deepspeed()
         precision = self.options.precision or "fp32"
         self._check_fp16(precision, self.options.device)
-        super().__init__(timeout=self.options.timeout, device=self.options.device, precision="fp32", checkpoint="file")
+        super().__init__(device=self.options.device, precision="fp32", checkpoint="file")
+        self.group_settings = GroupSettings.of("deepspeed", self.options)  # timeouts, flight recorder
         self.precision_name = precision
         self.zero_stage = self.options.zero_stage
         self.ds: Any = None  # the DeepSpeed engine
@@ -207,20 +211,15 @@ class DeepSpeedBackend(DDPBackend):
             return
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             self._init_process_group()  # raises, naming what is missing
-        # One process without a launcher: a group of one on an in-memory store. DeepSpeed reads
-        # the launcher's variables itself (LOCAL_RANK is required): set those of one process.
-        # Set only for this engine and taken back at teardown: left in the process, they would
-        # make a later engine (or a child process) believe it was started by a launcher.
+        # One process without a launcher: a group of one on an in-memory store. DeepSpeed reads the launcher's
+        # variables itself (LOCAL_RANK is required): set those of one process. Set only for this engine and taken
+        # back at teardown: left in the process, they would make a later engine (or a child) believe it was launched.
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             if name not in os.environ:
                 os.environ[name] = value
                 self._env_set.append(name)
         dist.init_process_group(
-            self._group_backend(),
-            store=dist.HashStore(),
-            rank=0,
-            world_size=1,
-            timeout=self.timeout,
+            self._group_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout
         )
         self.created_group = True
 
@@ -280,6 +279,7 @@ class DeepSpeedBackend(DDPBackend):
             skip_step=self._skip,
             zero_grad=None,  # DeepSpeed zeroes in its step
         )
+        self._arm_timeout_switch(engine)  # init_timeout until the first steps end (cadence.backends.process_group)
         return self._with_overlapped_agreement(plan)
 
     @property

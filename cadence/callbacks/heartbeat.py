@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from cadence.callbacks.heartbeat_dump import DumpRequests, dump_stacks, hook_locations, hooks_path, write_json
 from cadence.callbacks.heartbeat_watch import (
     DUMP_SIGNAL,
     EVALS,
@@ -93,6 +93,10 @@ class Heartbeat(Callback):
       holds the GIL, which rank 0 then asks for its stacks with `DUMP_SIGNAL`),
       elsewhere through their JSON files.
 
+    For `cadence hang RUN_DIR` (`cadence.callbacks.heartbeat_dump`): each rank writes where its callbacks' hooks
+    are at fit start and, with a backend that has a `flight_recorder` (`cadence.backends.flight_recorder`), dumps
+    it with its stacks on a stall, when the fit raises (a timed-out collective) and on a dump request.
+
     The watchdog pauses while `engine.long_operation_name` is set (blocking
     checkpoint saves), so a long save is not a stall. Steps are numbered from
     1: "step 3" is the third optimizer step (`engine.state.step == 2` while it
@@ -135,6 +139,10 @@ class Heartbeat(Callback):
         self._generation = 0
         self._stacks: Any = None  # the file faulthandler dumps into on DUMP_SIGNAL
         self._watch: RankWatch | None = None  # rank 0's watch over the other ranks
+        self._recorder: Any = None  # the backend's flight recorder, if it has one
+        self._requests: DumpRequests | None = None
+        self._dumped_at: tuple[int, int] | None = None  # (step, event) of the last flight-recorder dump
+        self._failure: dict[str, Any] | None = None  # where the fit raised, kept in the record
 
     # -- the hot path: writes into the live record only -----------------------
 
@@ -232,6 +240,12 @@ class Heartbeat(Callback):
             faulthandler.register(DUMP_SIGNAL, file=self._stacks, all_threads=True)
         self._fit_start_step = engine.state.step
         self._fit_start_wall = self._progress_wall = time.time()
+        self._recorder, self._requests = getattr(engine.backend, "flight_recorder", None), DumpRequests(self.directory)
+        if self._recorder is not None:
+            self._recorder.dump_into(self.directory)  # torch's own dumps (NCCL on a timeout) land here
+        info = {"rank": self.rank, "generation": self._generation, "hooks": hook_locations(engine)}
+        write_json(hooks_path(self.directory, self.rank), info)
+        self._failure = None
         self._stop = threading.Event()
         self._write()
         self._threads = [
@@ -243,6 +257,19 @@ class Heartbeat(Callback):
 
     def on_fit_end(self, engine: Engine) -> None:
         self._live.slots[EVENT] = EVENT_CODES["on_fit_end"]
+
+    def on_exception(self, engine: Engine) -> None:
+        # Where the fit failed stays in the record after teardown. A collective that timed out raised here
+        # (gloo has no dump of its own): the flight recorder as it was then, unless this stall was dumped.
+        error = f"{type(engine.exception).__name__}: {engine.exception}"[:500]
+        self._failure = {"step": self.step, "event": self.event, "error": error}
+        if self._dumped_at != (self.step, self._live.slots[EVENT]):
+            self._dump_flight_recorder()
+
+    def _dump_flight_recorder(self) -> None:
+        if self._recorder is not None and self.directory is not None:
+            self._dumped_at = (self.step, self._live.slots[EVENT])
+            self._recorder.dump(self.directory, self.rank)
 
     def on_teardown(self, engine: Engine) -> None:
         if self._shutdown():
@@ -294,15 +321,9 @@ class Heartbeat(Callback):
             "rank": self.rank, "host": self.host, "pid": self.pid, "step": self.step, "event": self.event,
             "time": self._progress_wall, "written": time.time(), "timeout": self._limit(),
             "long_operation": engine.long_operation_name if engine is not None else None, "finished": finished,
-            "generation": self._generation,
+            "generation": self._generation, "main_thread": threading.main_thread().ident, "failure": self._failure,
         }  # fmt: skip
-        path = self.directory / f"rank-{self.rank}.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, path)
-        except OSError as exc:  # a full or vanished disk must not kill training
-            logger.warning("heartbeat: cannot write %s: %s", path, exc)
+        write_json(self.directory / f"rank-{self.rank}.json", record)
 
     def _watchdog(self) -> None:
         poll = self._poll()
@@ -322,6 +343,10 @@ class Heartbeat(Callback):
                 self._report_own(now - last_progress)
             if self._watch is not None:
                 self._watch.scan()
+            why = self._requests.new() if self._requests is not None else None
+            if why is not None and self.directory is not None:  # every rank dumps: the dumps show one moment
+                self._dump_flight_recorder()  # first: `cadence hang --dump` waits for the stacks, written last
+                dump_stacks(stacks_path(self.directory, self.rank), f"rank {self.rank} dumps on request: {why}")
 
     def _report_own(self, stalled: float) -> None:
         event, step = self.event, self.step
@@ -331,18 +356,8 @@ class Heartbeat(Callback):
         )
         assert self.directory is not None  # set at fit start, before the watchdog starts
         dump = stacks_path(self.directory, self.rank)
-        stacks = ""
-        try:
-            with dump.open("a") as fh:
-                fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
-                fh.flush()
-                start = fh.tell()
-                faulthandler.dump_traceback(fh, all_threads=True)
-            with dump.open() as fh:
-                fh.seek(start)
-                stacks = fh.read()
-        except OSError as exc:
-            stacks = f"(could not dump stacks to {dump}: {exc})"
+        stacks = dump_stacks(dump, message)
+        self._dump_flight_recorder()
         self.stalls.append({"rank": self.rank, "event": event, "step": step, "seconds": stalled,
                             "time": time.time(), "stacks": str(dump)})  # fmt: skip
         logger.error("%s; Python stacks (also in %s):\n%s", message, dump, stacks)

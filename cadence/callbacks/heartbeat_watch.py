@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cadence.callbacks.heartbeat_dump import request_dumps
+
 logger = logging.getLogger("cadence.heartbeat")
 
 #: The events a rank's live record names, by their index in it.
@@ -151,9 +153,12 @@ class RankWatch:
             self.stalls.append({"rank": rank, "event": event, "step": step, "seconds": stalled,
                                 "time": wall, "key": key, "stacks": str(stacks)})  # fmt: skip
             logger.error(
-                "heartbeat: rank %d (%s, pid %s) %s: stuck in %s at step %d; its Python stacks: %s",
-                rank, record["host"], record["pid"], what, event, step, stacks,
+                "heartbeat: rank %d (%s, pid %s) %s: stuck in %s at step %d; its Python stacks: %s "
+                "(`cadence hang %s` joins every rank's records, stacks and flight recorder)",
+                rank, record["host"], record["pid"], what, event, step, stacks, self.directory,
             )  # fmt: skip
+            # Every rank dumps its stacks and flight recorder at its next poll: the dumps show one moment.
+            request_dumps(self.directory, f"rank {self.rank} found rank {rank} stuck in {event} at step {step}")
 
     def _ask_for_stacks(self, rank: int, record: Mapping[str, Any], why: str) -> Path | str:
         """Have `rank` (on this host) dump its stacks into its stacks file; that file's path."""

@@ -4,6 +4,7 @@
     cadence runs [WORKSPACE]      one line per run directory (default workspace: ./runs)
     cadence inspect CHECKPOINT    step, epoch, config, tensors, callback keys, manifest check
     cadence plot RUN_DIR          plot a run's metrics (needs the `plot` extra)
+    cadence hang RUN_DIR          which rank is where, and which collective the others wait in
     cadence --version             the installed version
 
 Usage errors and a missing or foreign path print one line on stderr and exit
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 from cadence.cli.checkpoint import inspect_checkpoint
 from cadence.cli.common import UsageError, version
+from cadence.cli.hang import hang
 from cadence.cli.info import show_info
 from cadence.cli.runs import list_runs, plot_run
 
@@ -62,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="a run directory")
     plot.add_argument("--out", default=None, help="image file to write (default: inside the run directory)")
     plot.set_defaults(run=plot_run)
+    report = commands.add_parser("hang", help="which rank is where, and which collective the others wait in")
+    report.add_argument("run_dir", help="a run directory (or its heartbeat folder)")
+    report.add_argument("--dump", action="store_true", help="ask the running ranks for fresh dumps first")
+    report.add_argument("--wait", type=float, default=30.0, help="seconds to wait for those dumps (default 30)")
+    report.add_argument("--json", action="store_true", help="print the report as JSON")
+    report.set_defaults(run=hang)
     return parser
 
 

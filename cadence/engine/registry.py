@@ -112,6 +112,7 @@ callbacks = Registry(
         "garbage_collection": "cadence.callbacks.garbage_collection:GarbageCollection",
         "heartbeat": "cadence.callbacks.heartbeat:Heartbeat",
         "preemption": "cadence.callbacks.preemption:Preemption",
+        "time_budget": "cadence.callbacks.time_budget:TimeBudget",
         "train_metrics": "cadence.callbacks.metrics:TrainMetrics",
         "progress_bar": "cadence.callbacks.progress:ProgressBar",
         "tensorboard": "cadence.callbacks.tensorboard:TensorBoard",

@@ -43,6 +43,7 @@ BUILTINS = {
     "garbage_collection": {"name": "garbage_collection", "interval": 2},
     "heartbeat": {"name": "heartbeat", "interval": 0.05, "timeout": 60.0},
     "preemption": {"name": "preemption"},
+    "time_budget": {"name": "time_budget", "max_time": "01:00:00"},
     "train_metrics": {"name": "train_metrics"},
     "progress_bar": {"name": "progress_bar"},
     "tensorboard": {"name": "tensorboard", "flush_secs": 1},

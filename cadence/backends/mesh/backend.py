@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -45,6 +44,7 @@ from cadence.backends.mesh.config import MeshConfig
 from cadence.backends.mesh.norms import clip_grad_norm, local_tensors
 from cadence.backends.mesh.pipeline import Pipeline, SplitFn, refuse_short_steps, resolve_split
 from cadence.backends.precision import find_overridden
+from cadence.backends.process_group import GroupSettings
 from cadence.backends.transforms import (
     UnitsFn,
     apply_activation_checkpointing,
@@ -123,7 +123,7 @@ class MeshBackend(DDPBackend):
         self.parallelize_fn = parallelize
         self.units_fn = units_fn
         self.process_group_backend = self.config.process_group_backend
-        self.timeout = timedelta(seconds=self.config.timeout)
+        self.group_settings = GroupSettings.of("mesh", self.config)  # timeouts, flight recorder
         self.requested_device = self.config.device
         self.precision_name = "fp32"
         self.created_group = False

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
+from cadence.backends.flight_recorder import DEFAULT_ENTRIES
 from cadence.backends.float8 import Float8Config
 from cadence.backends.mesh.pipeline import PipelineConfig
 from cadence.backends.transforms import ActivationCheckpointConfig, CompileConfig
@@ -79,7 +80,10 @@ class MeshConfig:
         device: `"cuda"` is `cuda:LOCAL_RANK`; None: `cuda:LOCAL_RANK` with an NCCL group, else
             the CPU (`cadence.backends.device`).
         process_group_backend: None: "nccl" with CUDA (unless `device` is not CUDA), else "gloo".
-        timeout: collective timeout in seconds.
+        timeout: collective timeout in seconds, in steady state.
+        init_timeout, init_steps, flight_recorder: how the process group starts (see
+            `cadence.backends.process_group.GroupSettings`): a longer timeout in seconds until the first
+            `init_steps` steps end (None: `timeout`), and torch's flight recorder entries (0: off).
         checkpoint: "dcp": `torch.distributed.checkpoint`, every rank writes its shards.
         context_attention: the SDPA kernel under context parallel: "auto"
             (MATH on CPU, torch's choice on CUDA), "math", "flash",
@@ -119,6 +123,9 @@ class MeshConfig:
     device: str | None = None
     process_group_backend: str | None = None
     timeout: float = attrs.field(default=300.0, validator=_timeout)
+    init_timeout: float | None = None
+    init_steps: int = 1
+    flight_recorder: int = DEFAULT_ENTRIES
     checkpoint: Literal["dcp"] = "dcp"
     context_attention: Literal["auto", "math", "flash", "efficient", "cudnn"] = "auto"
     pipelining: PipelineConfig = attrs.field(factory=PipelineConfig)
