@@ -640,8 +640,9 @@ class FaultTolerance:
         """Wrap a backend's step plan: quorum per step, commit-gated optimizer step, healing."""
         if self.manager is None:
             raise RuntimeError("ft: the backend's setup did not start TorchFT (FaultTolerance.start)")
-        inner_sync, inner_step, inner_skip, inner_zero = (
+        inner_sync, inner_backward, inner_step, inner_skip, inner_zero = (
             plan.gradient_sync,
+            plan.backward,
             plan.optimizer_step,
             plan.skip_step,
             plan.zero_grad,
@@ -661,7 +662,10 @@ class FaultTolerance:
 
         def backward(loss: torch.Tensor, micro_batches: int) -> None:
             try:
-                (loss / micro_batches if micro_batches > 1 else loss).backward()
+                if inner_backward is None:
+                    (loss / micro_batches if micro_batches > 1 else loss).backward()
+                else:  # the backend's own (the mesh's: inside loss_parallel when configured)
+                    inner_backward(loss, micro_batches)
             except Exception as exc:  # the all-reduce waits for the quorum: say why it failed
                 self.raise_quorum_error(exc)
                 raise
@@ -686,7 +690,7 @@ class FaultTolerance:
             if state.step + 1 < target and not agreed[stop_slot]:
                 begin()
 
-        if plan.backward is not None:
+        if getattr(engine.backend, "scaler", None) is not None:
             raise unsupported("a backend that backpropagates itself (fp16 GradScaler)", "use bf16 or fp32")
         return attrs.evolve(
             plan,
