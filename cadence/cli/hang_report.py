@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 
 from cadence.backends.flight_recorder import DUMP_PREFIX, read_dump
+from cadence.engine.events import Event
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
@@ -246,14 +247,23 @@ def analyse(report: HangReport) -> list[Finding]:
                 parts = "; ".join(f"rank {r}: {c.op} {c.shapes} from {c.issued_by}" for r, c in seen.items())
                 findings.append(Finding("mismatch", group, seq, f"collective #{seq} of group {group} differs: {parts}"))
                 break
-    # The oldest wait first: a hang usually starts where one rank waits longest.
-    order = {(f.group, f.seq): _issued(report, f.group, f.seq) for f in findings}
+    # The cause first: the collective whose issuing ranks stand earliest in the loop (step, then event). A rank
+    # that skipped a collective went on and waits later in the loop in another one, which is a consequence;
+    # when the positions tie, the oldest collective (clocks of one host, or of hosts only roughly in step).
+    order = {(f.group, f.seq): _earliest(report, f.group, f.seq) for f in findings}
     return sorted(findings, key=lambda f: (f.kind != "missing", order[(f.group, f.seq)]))
 
 
-def _issued(report: HangReport, group: str, seq: int) -> int:
-    times = [c.time_ns for v in report.ranks.values() for c in v.collectives if c.group == group and c.seq == seq]
-    return min(times, default=0)
+def _earliest(report: HangReport, group: str, seq: int) -> tuple[int, int, int]:
+    """(step, event index, time) of the earliest rank that issued collective `seq` of `group`."""
+    events = [e.value for e in Event]
+    keys = []
+    for view in report.ranks.values():
+        for c in view.collectives:
+            if c.group == group and c.seq == seq:
+                step, event = view.position
+                keys.append((step, events.index(event) if event in events else len(events), c.time_ns))
+    return min(keys, default=(0, 0, 0))
 
 
 def _ranks(ranks: list[int]) -> str:
