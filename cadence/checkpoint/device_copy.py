@@ -133,7 +133,7 @@ class CopyFence:
         if not any(s is staging for s in self._armed):
             self._armed.append(staging)
         if not self._handles:
-            self._handles = [engine.on(event, order=self.ORDER)(self._on_event) for event in self.EVENTS]
+            self._handles = [engine.add_handler(event, self._on_event, order=self.ORDER) for event in self.EVENTS]
 
     def _on_event(self, engine: Engine) -> None:
         self.release()
