@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from cadence.checkpoint.device_copy import CopyFence, optimizer_written
-from cadence.checkpoint.launch_modes import auto_resume, load_pretrained_weights
-from cadence.checkpoint.payload import build_payload, load_checkpoint
+from cadence.checkpoint.launch_modes import auto_resume, load_checkpoint, load_pretrained_weights
+from cadence.checkpoint.payload import build_payload
 from cadence.checkpoint.staging import staged_size
 from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
 from cadence.checkpoint.writer import AsyncWriter, Job
@@ -245,7 +245,7 @@ class Checkpoint(Callback):
             if self.config.resume or self.config.auto_resume or self.config.pretrained:
                 logger.warning(
                     "checkpoint: registered after the engine's first run; resume, auto_resume and "
-                    "pretrained apply only in on_setup (use Engine.from_checkpoint)"
+                    "pretrained apply only in on_setup (use cadence.checkpoint.from_checkpoint)"
                 )
         self._fitting, self._best_due = True, False
         config, (target_step, target_epoch) = self.config, engine.fit_target

@@ -1,8 +1,10 @@
 """Everything about a checkpoint's bytes: the store contract, the payload, the writers and stores.
 
-- `store`: `CheckpointStore` (the contract every store keeps) and `CheckpointError`.
-- `payload`: `build_payload` / `restore` / `load_checkpoint` / `load_pretrained`.
-- `launch_modes`: auto-resume's pick of the newest complete checkpoint, pretrained weights.
+- `store`: `CheckpointStore` (the contract every store keeps), `CheckpointError`, and
+  `STORES` (the store class of each manifest's `"store"` kind).
+- `payload`: `build_payload` / `restore` / `load_pretrained`.
+- `launch_modes`: `from_checkpoint` (an engine restored at construction), `load_checkpoint`,
+  auto-resume's pick of the newest complete checkpoint, pretrained weights.
 - `writer`: the async writer; `staging` (with `device_copy` for CUDA tensors): the reused
   buffers it writes from.
 - `file_store` (with `file_io`, `file_read`, `direct_io`): folders of plain files,
@@ -13,8 +15,22 @@
 The `Checkpoint` callback (`cadence.callbacks.checkpoint`) holds the policy:
 when to save, which names, retention, best. A backend chooses its store
 (`Backend.checkpoint_store`).
+
+Example:
+    >>> from cadence.checkpoint import from_checkpoint
+    >>> engine = from_checkpoint("runs/x/checkpoints/latest", model, optimizer, data)  # doctest: +SKIP
 """
 
-from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore, store_errors
+from cadence.checkpoint.launch_modes import from_checkpoint, load_checkpoint
+from cadence.checkpoint.store import FORMAT, STORES, VERSION, CheckpointError, CheckpointStore, store_errors
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "CheckpointStore", "store_errors"]
+__all__ = [
+    "FORMAT",
+    "STORES",
+    "VERSION",
+    "CheckpointError",
+    "CheckpointStore",
+    "from_checkpoint",
+    "load_checkpoint",
+    "store_errors",
+]

@@ -9,7 +9,7 @@
   as the bytes go out, no second read) and writing the rank's objects file;
   each rank leaves a record of its files' sizes and checksums for the main
   rank's manifest.
-- `checkpoint_group`: one gloo group of all ranks for checkpoint collectives,
+- `checkpoint_group` (with `all_gather`, `broadcast` on it): one gloo group of all ranks for checkpoint collectives,
   never the group the training loop uses (an async save runs its collectives
   in a thread, beside the loop's).
 """
@@ -352,3 +352,25 @@ def checkpoint_group(timeout: float) -> Any:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         _GROUP = (weakref.ref(world), weakref.ref(group))
         return group
+
+
+def all_gather(obj: Any, group: Any, world: int) -> list[Any]:
+    """`obj` of every rank of `group` (itself alone without a process group)."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast(obj: Any, group: Any, world: int) -> Any:
+    """Rank 0's `obj` of `group`, on every rank."""
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0]

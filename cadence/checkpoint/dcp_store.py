@@ -213,6 +213,11 @@ class DCPStore(CheckpointStore):
         """A store that loads into `engine`'s live model, optimizers and callback states."""
         return cls(template=functools.partial(engine_template, engine), **kwargs)
 
+    @classmethod
+    def reader_for(cls, engine: Engine) -> DCPStore:
+        """A sharded checkpoint loads on any backend: on its process group, or on one process without one."""
+        return cls.for_engine(engine)
+
     def _folder(self) -> Path:
         if self.directory is None:
             raise ValueError("DCPStore has no directory: use DCPStore(directory) or store.at(directory)")
@@ -228,26 +233,6 @@ class DCPStore(CheckpointStore):
         if group is None:
             return None, 0, 1
         return group, dist.get_rank(group), dist.get_world_size(group)
-
-    @staticmethod
-    def _all_gather(obj: Any, group: Any, world: int) -> list[Any]:
-        if world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * world
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    @staticmethod
-    def _broadcast(obj: Any, group: Any, world: int) -> Any:
-        if world == 1:
-            return obj
-        import torch.distributed as dist
-
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
-        return holder[0]
 
     def barrier(self) -> None:
         """Wait for every rank on the store's group (after main-only calls; safe in a writer thread)."""
@@ -285,7 +270,7 @@ class DCPStore(CheckpointStore):
         if rank == 0 and error is not None:
             shutil.rmtree(prepared.tmp, ignore_errors=True)
         status = (manifest, None if error is None else _describe(error))
-        manifest, failure = self._broadcast(status, group, world)
+        manifest, failure = dcp_io.broadcast(status, group, world)
         if error is not None:
             raise _wrap(error, f"saving {name!r} failed", prepared.final, prepared.step) from error
         if failure is not None:
@@ -396,7 +381,7 @@ class DCPStore(CheckpointStore):
             digests = dcp_io.entry_digests(skeleton)
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"
-        everyone = self._all_gather((os.getpid(), secrets.token_hex(4), digests, problem), group, world)
+        everyone = dcp_io.all_gather((os.getpid(), secrets.token_hex(4), digests, problem), group, world)
         for other, (_, _, _, text) in enumerate(everyone):
             if text is not None:
                 raise CheckpointError(f"rank {other} cannot save {name!r}: {text}", path=final, step=step)
@@ -625,7 +610,7 @@ class DCPStore(CheckpointStore):
             problem = (_message(exc), exc.path, exc.step)
         except Exception as exc:
             problem = (f"reading it failed: {type(exc).__name__}: {exc}", str(folder), step)
-        problems = self._all_gather(problem, group, world)
+        problems = dcp_io.all_gather(problem, group, world)
         for other, found in enumerate(problems):
             if found is not None:
                 message, path, at = found

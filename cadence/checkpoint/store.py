@@ -13,15 +13,27 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import importlib
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cadence.engine.bus import CadenceError
 
+if TYPE_CHECKING:
+    from cadence.engine.engine import Engine
+
 FORMAT = "cadence-checkpoint"
 VERSION = 1
+
+#: The store class that reads a checkpoint, by the `"store"` field of its manifest (`"file"` where
+#: the manifest has none), as `module:Class`: imported when a checkpoint of that kind is met.
+STORES: dict[str, str] = {
+    "file": "cadence.checkpoint.file_store:FileStore",
+    "dcp": "cadence.checkpoint.dcp_store:DCPStore",
+    "deepspeed": "cadence.checkpoint.deepspeed_store:DeepSpeedStore",
+}
 
 
 class CheckpointError(CadenceError, RuntimeError):
@@ -93,8 +105,10 @@ class CheckpointStore(abc.ABC):
 
     Attributes:
         kind: the manifest's `"store"` field of the checkpoints it writes
-            (`"file"` where the manifest has none); a non-collective store's
-            `load_checkpoint` reads a `"dcp"` checkpoint with the DCP store.
+            (`"file"` where the manifest has none; `STORES` maps it to the
+            class). A non-collective store's `load_checkpoint` reads a
+            checkpoint of another kind with that kind's `reader_for(engine)`
+            (the DCP store's: a sharded checkpoint loads on one process).
         collective: `write` and `read` are collectives of every rank (see above).
         background_safe: `write` may run in the callback's writer thread while
             the loop trains (async saves). False for a store whose writes run
@@ -119,6 +133,16 @@ class CheckpointStore(abc.ABC):
         other = copy.copy(self)
         other.directory = Path(directory)
         return other
+
+    @classmethod
+    def reader_for(cls, engine: Engine) -> CheckpointStore | None:
+        """A store of this kind that reads its checkpoints into `engine` on any backend; None: only its own.
+
+        `load_checkpoint` asks it for a checkpoint of this kind (the manifest's
+        `"store"`) found where the backend's own, non-collective store is of
+        another kind.
+        """
+        return None
 
     def path(self, name: str) -> Path:
         if self.directory is None:
@@ -186,3 +210,13 @@ class CheckpointStore(abc.ABC):
 
         Collective stores: main rank only (`payload.locate` tells the others).
         """
+
+
+def store_class(kind: str) -> type[CheckpointStore] | None:
+    """The store class of checkpoints whose manifest says `"store": kind` (`STORES`); None for an unknown kind."""
+    target = STORES.get(kind)
+    if target is None:
+        return None
+    module, _, name = target.partition(":")
+    found: type[CheckpointStore] = getattr(importlib.import_module(module), name)
+    return found

@@ -17,9 +17,9 @@ import torch
 
 import cadence
 from cadence.callbacks.checkpoint import Checkpoint, CheckpointConfig
-from cadence.checkpoint import file_read
+from cadence.checkpoint import file_read, from_checkpoint
 from cadence.checkpoint.file_store import FileStore
-from cadence.checkpoint.payload import load_checkpoint
+from cadence.checkpoint.launch_modes import load_checkpoint
 from cadence.checkpoint.store import CheckpointError
 from cadence.checkpoint.writer import AsyncWriter, Job
 from tests.conftest import tiny_dataset, tiny_model
@@ -370,7 +370,7 @@ def test_from_checkpoint_restores_once(tmp_path: Path) -> None:
     trained(tmp_path / "a", 3)
     events = Events()
     model = tiny_model()
-    engine = cadence.Engine.from_checkpoint(
+    engine = from_checkpoint(
         tmp_path / "a",
         model,
         torch.optim.AdamW(model.parameters(), lr=0.05),
