@@ -21,7 +21,7 @@ from cadence.checkpoint.device_copy import CopyFence, optimizer_written
 from cadence.checkpoint.launch_modes import auto_resume, load_checkpoint, load_pretrained_weights
 from cadence.checkpoint.payload import build_payload
 from cadence.checkpoint.staging import staged_size
-from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
+from cadence.checkpoint.store import AsyncCheckpointStore, CheckpointError, CheckpointStore, store_errors
 from cadence.checkpoint.writer import AsyncWriter, Job
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
@@ -156,8 +156,7 @@ class Checkpoint(Callback):
         self._writes = False  # this rank calls the store's write (the main rank; every rank for collective stores)
         self._main = True
         self._collective = False  # a collective store on more than one rank
-        # A store that stages itself (DCP's async_save) saves asynchronously through
-        # `store.write_async` instead of the AsyncWriter: one handle per save, in order.
+        # An AsyncCheckpointStore (DCP) saves asynchronously through `write_async`: one handle per save, in order.
         self._store_async = False
         self._handles: list[tuple[Any, Job]] = []
         self._fitting = False
@@ -260,7 +259,7 @@ class Checkpoint(Callback):
         self._epoch_interval = interval if unit == "epoch" else 0
         self._save_slot = engine.requests.index["save"]
         self._preempt_slot = engine.requests.index.get("preempt")
-        self._store_async = config.async_mode == "async" and bool(getattr(self.store, "stages_itself", False))
+        self._store_async = config.async_mode == "async" and isinstance(self.store, AsyncCheckpointStore)
         if config.async_mode == "async" and self._writes and not self._store_async:
             if self._writer is None:
                 # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
@@ -502,7 +501,8 @@ class Checkpoint(Callback):
             done.append(job)
             return
         after = (lambda manifest: self._name(job)) if job.links else None
-        handle = self.store.write_async(job.primary, job.payload, after_commit=after)  # type: ignore[attr-defined]
+        assert isinstance(self.store, AsyncCheckpointStore) and job.primary is not None
+        handle = self.store.write_async(job.primary, job.payload, after_commit=after)
         self._handles.append((handle, job))
 
     def _collect_handles(self, engine: Engine, raise_errors: bool = True) -> None:

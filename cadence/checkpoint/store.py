@@ -1,21 +1,25 @@
-"""The checkpoint store contract and its error.
+"""The checkpoint store contract, its error, and the stores by the kind their manifests name.
 
 A checkpoint is a named snapshot (`latest`, `best`, `ckpt-s000000000040`, ...)
 in a folder, committed atomically by a `CheckpointStore`: either complete or
 invisible. A backend says how it is written (`Backend.checkpoint_store`): the
 file store for one process and DDP, DCP or DeepSpeed stores for the others.
-The `Checkpoint` callback (cadence/callbacks/checkpoint.py) decides when;
+A store that stages its own asynchronous saves (DCP's `async_save`) is an
+`AsyncCheckpointStore`. The `Checkpoint` callback (cadence/callbacks/checkpoint.py)
+decides when; the saver (`cadence.checkpoint.saver`) writes;
 `cadence.checkpoint.payload` builds and restores what is saved.
 """
 
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import contextlib
 import copy
 import importlib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -209,6 +213,76 @@ class CheckpointStore(abc.ABC):
         """`(store at its folder, name)` for a checkpoint path or a folder holding `latest`.
 
         Collective stores: main rank only (`payload.locate` tells the others).
+        """
+
+
+class PendingSave:
+    """An asynchronous save (`AsyncCheckpointStore.write_async`): staged, being written, then committed.
+
+    `result()` waits and returns the manifest on the committing rank (None on
+    the others), or raises `CheckpointError`. The store completes it
+    (`set_result` / `set_exception`) from the thread `started` in.
+    """
+
+    def __init__(self, name: str, step: int | None) -> None:
+        self.name, self.step = name, step
+        self._future: concurrent.futures.Future[dict[str, Any] | None] = concurrent.futures.Future()
+        self._thread: threading.Thread | None = None
+
+    def started(self, thread: threading.Thread) -> None:
+        """The thread that completes this save (joined by `wait`, `result` and `exception`)."""
+        self._thread = thread
+
+    def set_result(self, manifest: dict[str, Any] | None) -> None:
+        self._future.set_result(manifest)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._future.set_exception(error)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the save is committed or failed (no error raised); False on timeout."""
+        concurrent.futures.wait([self._future], timeout)
+        if self._future.done() and self._thread is not None:
+            self._thread.join()
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> dict[str, Any] | None:
+        value = self._future.result(timeout)
+        if self._thread is not None:
+            self._thread.join()
+        return value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        error = self._future.exception(timeout)
+        if self._thread is not None:
+            self._thread.join()
+        return error
+
+
+class AsyncCheckpointStore(CheckpointStore):
+    """A store that stages its own asynchronous saves (the DCP store: `dcp.async_save` with its stager).
+
+    `Checkpoint(async_mode="async")` saves through `write_async` instead of the
+    saver's `AsyncWriter` and its staging: every rank calls it in the loop, in
+    the same order (collective stores).
+    """
+
+    @abc.abstractmethod
+    def write_async(
+        self,
+        name: str,
+        payload: Mapping[str, Any],
+        after_commit: Callable[[dict[str, Any]], None] | None = None,
+    ) -> PendingSave:
+        """Stage `payload` and return; it is written in the background, then committed as `name`.
+
+        One save is in flight at a time: a call while the previous one is being
+        written first waits for it (no save is dropped). `after_commit(manifest)`
+        runs on the committing rank after the commit, before the next save can
+        commit (give the checkpoint its other names there).
         """
 
 
