@@ -32,8 +32,6 @@ OVER_BUDGET: dict[str, int] = {
     "cadence/backends/mesh/backend.py": 733,
     "cadence/backends/mesh/backend.py::MeshBackend": 582,
     "cadence/backends/mesh/pipeline.py": 413,
-    "cadence/callbacks/checkpoint.py": 566,
-    "cadence/callbacks/checkpoint.py::Checkpoint": 445,
     "cadence/engine/backend.py": 484,
     "cadence/engine/backend.py::Backend": 319,
     "cadence/engine/bus.py": 484,

@@ -1,4 +1,4 @@
-"""Everything about a checkpoint's bytes: the store contract, the payload, the writers and stores.
+"""Everything about a checkpoint's bytes: the store contract, the payload, the saver and the stores.
 
 - `store`: `CheckpointStore` (the contract every store keeps), `AsyncCheckpointStore`
   (a store that stages its own async saves), `CheckpointError`, and `STORES` (the store
@@ -6,6 +6,8 @@
 - `payload`: `build_payload` / `restore` / `load_pretrained`.
 - `launch_modes`: `from_checkpoint` (an engine restored at construction), `load_checkpoint`,
   auto-resume's pick of the newest complete checkpoint, pretrained weights.
+- `saver`: every write path of the `Checkpoint` callback (sync, the async writer, a store's
+  own async saves, TorchFT's replica path), the main-only protocol and the status exchange.
 - `writer`: the async writer; `staging` (with `device_copy` for CUDA tensors): the reused
   buffers it writes from.
 - `folders`: `FolderStore`, the base of the stores below (one folder per checkpoint: names,
