@@ -74,7 +74,7 @@ import torch
 import cadence
 from cadence.callbacks.checkpoint import Checkpoint
 from cadence.checkpoint import direct_io, file_io
-from cadence.checkpoint.payload import load_checkpoint
+from cadence.checkpoint.launch_modes import load_checkpoint
 
 WIDTH = 2048  # 16 MB weights: below glibc's largest mmap threshold, so the steps reuse their memory
 BATCH = 16

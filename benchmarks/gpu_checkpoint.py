@@ -18,7 +18,7 @@ random tokens a step: about 1.7 GB. Rows (`row`, `value`, `unit`, `target`, `not
   write runs throughout them, paced at `async_write_share=0.2`). Each step is timed from the end
   of the previous step's save point to its own end, with `torch.cuda.synchronize()` at each
   step's end, so a copy the GPU waits for shows in the step that waits.
-- `file: restore`: `Engine.from_checkpoint` of that checkpoint into a new model and optimizer,
+- `file: restore`: `cadence.checkpoint.from_checkpoint` of that checkpoint into a new model and optimizer,
   checked bit for bit against the state at the saving step (cloned on the GPU just before).
 - `file: D2H copy`: the copy alone, `Staging.stage` + `wait_copied` into the reused pinned buffer.
 - `dcp: ...`: the same under `MeshBackend(device="cuda")` on one process (FSDP2 over a mesh of
@@ -47,6 +47,7 @@ import lm  # noqa: E402  (examples/lm.py)
 
 import cadence  # noqa: E402
 from cadence.callbacks import Checkpoint  # noqa: E402
+from cadence.checkpoint import from_checkpoint  # noqa: E402
 from cadence.checkpoint.payload import build_payload  # noqa: E402
 from cadence.engine.callback import Callback  # noqa: E402
 from cadence.engine.order import Order  # noqa: E402
@@ -196,7 +197,7 @@ def restore_row(setup: Setup, kind: str, path: Path, reference: Any, mesh: bool)
     torch.manual_seed(1)
     model = lm.Transformer(setup.config)
     placement: dict[str, Any] = {"backend": mesh_backend(setup.device)} if mesh else {}
-    with cadence.Engine.from_checkpoint(
+    with from_checkpoint(
         path, model, torch.optim.AdamW(model.parameters(), lr=1e-4), setup.data, loss_fn=lm.next_byte_loss,
         callbacks=[keep], seed=0, precision="bf16" if setup.cuda else "fp32",
         train={"batch_size": setup.batch, "shuffle": False, "drop_last": True},

@@ -1,10 +1,11 @@
-"""Checkpoint: atomic, optionally asynchronous saves with retention, and the launch modes.
+"""Checkpoint: when to save, under which names, how many to keep, the best score, and the launch modes.
 
 Names in the checkpoint folder (default `engine.run_dir / "checkpoints"`):
 `latest` (every save), `best` (`save_best`: the monitored evaluation score
 improved), and history snapshots `ckpt-e{epoch:06d}` (epoch mode) or
-`ckpt-s{step:012d}` (step mode), of which `keep_latest_k` are kept. See
-docs/checkpoints.md for atomicity, async saves, launch modes and DDP.
+`ckpt-s{step:012d}` (step mode), of which `keep_latest_k` are kept. The
+callback holds this policy; the saver (`cadence.checkpoint.saver`) writes.
+See docs/checkpoints.md for atomicity, async saves, launch modes and DDP.
 """
 
 from __future__ import annotations
@@ -17,12 +18,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from cadence.checkpoint.device_copy import CopyFence, optimizer_written
-from cadence.checkpoint.launch_modes import auto_resume, load_pretrained_weights
-from cadence.checkpoint.payload import build_payload, load_checkpoint
-from cadence.checkpoint.staging import staged_size
-from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
-from cadence.checkpoint.writer import AsyncWriter, Job
+from cadence.checkpoint.launch_modes import auto_resume, load_checkpoint, load_pretrained_weights
+from cadence.checkpoint.saver import BestWeights, Collected, SavedCheckpoint, Saver
+from cadence.checkpoint.store import CheckpointStore
 from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
@@ -30,6 +28,8 @@ from cadence.engine.order import Order
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine
+
+__all__ = ["Checkpoint", "CheckpointConfig", "SavedCheckpoint"]
 
 logger = logging.getLogger("cadence.checkpoint")
 
@@ -101,17 +101,6 @@ class CheckpointConfig:
     barrier_timeout: float = attrs.field(default=1800.0, validator=attrs.validators.gt(0))
 
 
-@attrs.frozen
-class SavedCheckpoint:
-    """What the last committed save was: its names, folder, step and epoch."""
-
-    names: tuple[str, ...]
-    path: Path
-    step: int
-    epoch: int
-    reason: str
-
-
 class Checkpoint(Callback):
     """Saves checkpoints and applies the launch modes (resume > auto_resume > pretrained).
 
@@ -124,6 +113,10 @@ class Checkpoint(Callback):
     applied in `on_setup`, once, before the first run; `on_load` fires after a
     restore and `on_save` after each commit (for async saves: on the loop
     thread, at the first save point after the commit, or at teardown).
+
+    The best-score protocol (read by the run record): `best_score`, the best
+    value of `best_metric` (the monitored metric, e.g. `val.loss`) so far,
+    and `best_step`, the step it was reached at (None before any).
 
     Order: `Order.CHECKPOINT` (100): after every state-changing callback, so
     a checkpoint holds the step's final state; before `Preemption`.
@@ -139,6 +132,8 @@ class Checkpoint(Callback):
         >>> engine.fit(steps=4)
         >>> ckpt.store.names()
         ['ckpt-s000000000004', 'latest']
+        >>> ckpt.best_metric
+        'val.loss'
     """
 
     order = Order.CHECKPOINT
@@ -149,17 +144,8 @@ class Checkpoint(Callback):
         self.best_score: float | None = None
         self.best_step: int | None = None
         self.store: CheckpointStore = None  # type: ignore[assignment]  # set in on_setup
+        self.saver: Saver | None = None  # writes the saves (set with the store)
         self.last_saved: SavedCheckpoint | None = None
-        self._writer: AsyncWriter | None = None
-        self._fence = CopyFence()  # async saves on GPUs: the copies the loop must wait for before writing
-        self._reserving: Any = None  # the handle of `_reserve_staging` until it runs
-        self._writes = False  # this rank calls the store's write (the main rank; every rank for collective stores)
-        self._main = True
-        self._collective = False  # a collective store on more than one rank
-        # A store that stages itself (DCP's async_save) saves asynchronously through
-        # `store.write_async` instead of the AsyncWriter: one handle per save, in order.
-        self._store_async = False
-        self._handles: list[tuple[Any, Job]] = []
         self._fitting = False
         self._last_key: tuple[int, int, int, int] | None = None
         self._evaluations = 0  # evaluations seen: part of the key that tells a new state from a saved one
@@ -168,7 +154,15 @@ class Checkpoint(Callback):
         self._epoch_interval = 0
         self._save_slot = 2
         self._preempt_slot: int | None = None
-        self._undeletable: set[str] = set()
+
+    @property
+    def best_metric(self) -> str:
+        """The monitored metric's name, as `engine.logged` holds it: `monitor`, else `score_split.score_name`."""
+        config = self.config
+        if config.monitor is not None:
+            return config.monitor
+        prefix = f"{config.score_split}."
+        return config.score_name if config.score_name.startswith(prefix) else prefix + config.score_name
 
     # -- state ----------------------------------------------------------------------------
 
@@ -182,43 +176,19 @@ class Checkpoint(Callback):
     # -- launch ---------------------------------------------------------------------------
 
     def _bind(self, engine: Engine) -> None:
-        directory = Path(self.config.dir) if self.config.dir else engine.run_dir / "checkpoints"
+        config = self.config
+        directory = Path(config.dir) if config.dir else engine.run_dir / "checkpoints"
         backend = engine.backend
         self.store = backend.checkpoint_store(engine).at(directory)
-        if self.config.async_mode == "async" and not self.store.background_safe:
+        if config.async_mode == "async" and not self.store.background_safe:
             raise ValueError(
                 f"Checkpoint(async_mode='async'): the {type(self.store).__name__} writes with collectives on the "
                 "training process group, which a background thread cannot do; use async_mode='disabled'"
             )
-        self._main = backend.is_main
-        self._collective = self.store.collective and backend.world_size > 1
-        self._writes = self.store.collective or self._main
-
-        def sweep() -> None:
-            with store_errors("sweeping leftovers of interrupted writes", directory):
-                removed = self.store.sweep()
-            if removed:
-                logger.info("checkpoint: removed leftovers of interrupted writes in %s: %s", directory, removed)
-
-        self._main_only(sweep)
-
-    def _main_only(self, work: Any) -> None:
-        """Run `work` on the main rank; for a collective store every rank then waits at the store's barrier.
-
-        The main rank's error is raised after the barrier, so the other ranks are not left waiting.
-        """
-        error: BaseException | None = None
-        if self._main:
-            try:
-                work()
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as exc:
-                error = exc
-        if self._collective:
-            self.store.barrier()
-        if error is not None:
-            raise error
+        self.saver = Saver(
+            self.store, backend, keep_latest_k=config.keep_latest_k, barrier_timeout=config.barrier_timeout
+        )
+        self.saver.sweep()
 
     def on_setup(self, engine: Engine) -> None:
         self._bind(engine)
@@ -240,13 +210,14 @@ class Checkpoint(Callback):
     # -- when to save ---------------------------------------------------------------------
 
     def on_fit_start(self, engine: Engine) -> None:
-        if self.store is None:  # registered after the engine's first run: on_setup has passed
+        if self.saver is None:  # registered after the engine's first run: on_setup has passed
             self._bind(engine)
             if self.config.resume or self.config.auto_resume or self.config.pretrained:
                 logger.warning(
                     "checkpoint: registered after the engine's first run; resume, auto_resume and "
-                    "pretrained apply only in on_setup (use Engine.from_checkpoint)"
+                    "pretrained apply only in on_setup (use cadence.checkpoint.from_checkpoint)"
                 )
+        assert self.saver is not None
         self._fitting, self._best_due = True, False
         config, (target_step, target_epoch) = self.config, engine.fit_target
         unit = config.unit
@@ -260,38 +231,13 @@ class Checkpoint(Callback):
         self._epoch_interval = interval if unit == "epoch" else 0
         self._save_slot = engine.requests.index["save"]
         self._preempt_slot = engine.requests.index.get("preempt")
-        self._store_async = config.async_mode == "async" and bool(getattr(self.store, "stages_itself", False))
-        if config.async_mode == "async" and self._writes and not self._store_async:
-            if self._writer is None:
-                # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
-                self._writer = AsyncWriter(self._commit, supersede=not self._collective, share=config.async_write_share)
-            self._writer.start()
-            if self._reserving is None and not self._writer.staged:
-                self._reserving = engine.add_handler(Event.ON_STEP_END, self._reserve_staging)
-
-    def _reserve_staging(self, engine: Engine) -> None:
-        """Once, at the first step's end (the optimizers' state exists then): the first async save's staging
-        buffer, sized from the model and optimizer state and faulted in by a low-priority thread, so that
-        the first save does not pay for fresh memory in the loop (docs/checkpoints.md, "Async saves")."""
-        if self._reserving is not None:
-            self._reserving.remove()
-            self._reserving = None
-        model = engine.model
-        like = {
-            "model": [*model.parameters(), *model.buffers()],
-            "optimizers": [list(optimizer.state.values()) for optimizer in engine.optimizers],
-        }
-        if self._writer is not None:
-            self._writer.reserve(staged_size(like), pin=any(p.is_cuda for p in model.parameters()))
+        self.saver.start(engine, asynchronous=config.async_mode == "async", share=config.async_write_share)
 
     def on_save_point(self, engine: Engine) -> None:
         # Fired after the step's (or the epoch's) evaluation and agreement: what
         # is saved here is the state an uninterrupted run goes on from.
-        writer = self._writer
-        if writer is not None and (writer.done or writer.error is not None):
-            self._collect(engine)
-        if self._handles and self._handles[0][0].done():
-            self._collect_handles(engine)
+        if self.saver is not None:
+            self._report(engine, self.saver.collect())
         state, agreed = engine.state, engine.requests.agreed
         forced = agreed[self._save_slot]
         slot = self._preempt_slot
@@ -313,11 +259,8 @@ class Checkpoint(Callback):
         config = self.config
         if not (self._fitting and config.save_best):
             return
-        if config.monitor is not None:
-            prefix, name = config.monitor.partition(".")[0] + ".", config.monitor
-        else:
-            prefix = f"{config.score_split}."
-            name = config.score_name if config.score_name.startswith(prefix) else prefix + config.score_name
+        name = self.best_metric
+        prefix = name.partition(".")[0] + "."
         if not any(key.startswith(prefix) for key in engine.logged):
             return  # another split was evaluated
         if name not in engine.logged:
@@ -340,34 +283,13 @@ class Checkpoint(Callback):
 
     def on_teardown(self, engine: Engine) -> None:
         self._fitting = False
-        writer, drained = self._writer, True
-        if writer is not None:
-            drained = writer.close(self.config.drain_timeout)
-            if not drained:
-                logger.error(
-                    "checkpoint: background writes still running after %.0f s (drain_timeout); the newest "
-                    "checkpoint may be missing",
-                    self.config.drain_timeout,
-                )
-        for handle, _ in self._handles:
-            if not handle.wait(self.config.drain_timeout):
-                drained = False
-                logger.error(
-                    "checkpoint: background save of %r still running after %.0f s (drain_timeout)",
-                    handle.name,
-                    self.config.drain_timeout,
-                )
-                break
-        if drained and self.store is not None:
-            self.store.wait()  # superseded checkpoints are removed in the background
-        if writer is not None:
-            self._collect(engine, raise_errors=engine.exception is None)
-        if self._handles and drained:
-            self._collect_handles(engine, raise_errors=engine.exception is None)
+        if self.saver is not None:
+            collected = self.saver.close(self.config.drain_timeout, raise_errors=engine.exception is None)
+            self._report(engine, collected)
 
     def save(self, engine: Engine, reason: str = "manual") -> None:
         """Save `latest` now (under DDP every rank must call it); in async mode, returns once staged."""
-        if self.store is None:
+        if self.saver is None:
             self._bind(engine)
         self._save(engine, reason=reason)
 
@@ -379,188 +301,46 @@ class Checkpoint(Callback):
         in the step after a save calls it first. A wait on the GPU: the host goes on. Nothing
         to do without CUDA tensors or async saves.
         """
-        self._fence.release()
+        if self.saver is not None:
+            self.saver.fence.release()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background writes to be committed; False on timeout (sync mode: True)."""
-        if self._handles:
-            return all(handle.wait(timeout) for handle, _ in self._handles)
-        return self._writer.drain(timeout) if self._writer is not None else True
+        return self.saver.wait(timeout) if self.saver is not None else True
 
     # -- saving ---------------------------------------------------------------------------
 
     def _save(self, engine: Engine, *, history: str | None = None, best: bool = False, reason: str) -> None:
-        state = engine.state
+        """Which names this save gives (`latest` when the state is new, history, best), then one call to the saver."""
+        state, saver = engine.state, self.saver
+        assert saver is not None
         key = (state.step, state.epoch, state.batch_in_epoch, self._evaluations)
-        ema = _ema_for_best(engine) if best else None
-        links = tuple(n for n in (history, "best" if best and ema is None else None) if n)
+        averaged = _best_weights(engine) if best else None  # `best` then holds those weights: a save of its own
+        links = tuple(n for n in (history, "best" if best and averaged is None else None) if n)
         fresh = key != self._last_key  # a save at the same state only adds names to `latest`
-        if not fresh and not links and ema is None:
+        if not fresh and not links and averaged is None:
             return
-        backend = engine.backend
-        done: list[Job] = []
-        error: BaseException | None = None
-        full = True
-        with engine.long_operation("checkpoint save"):
-            try:
-                # Decided at each save: under TorchFT the writing replica group can change.
-                full = backend.writes_checkpoint
-                if fresh or links:
-                    payload = build_payload(engine, model=not self.store.restores_model) if fresh else None
-                    job = Job(payload, "latest" if fresh else None, links, state.step, state.epoch, reason, full=full)
-                    self._dispatch(engine, job, done)
-                if ema is not None and full:
-                    self._fence.release()  # the swaps write the parameters: after their copies
-                    with ema.swapped(engine):  # `best` holds the averaged weights; written before they go back
-                        best_payload = build_payload(engine, model=not self.store.restores_model)
-                        self._dispatch(engine, Job(best_payload, "best", (), state.step, state.epoch, reason), done)
-                        self._fence.release()
-            except Exception as exc:
-                error = exc
-            # Written in the loop: sync saves, and under TorchFT a group's own data state when the
-            # store stages its async saves itself (`_submit_to_store`): every rank learns the outcome.
-            in_loop = self._writer is None and (not self._store_async or not full)
-            if in_loop and backend.world_size > 1:
-                backend.barrier(self.config.barrier_timeout)  # the others wait for the main process
-                status = None if error is None else f"{type(error).__name__}: {error}"
-                if self._collective:  # every rank wrote: any of them may have failed
-                    failed = [(r, s) for r, s in enumerate(backend.all_gather_object(status, domain="optimizer")) if s]
-                    status = f"rank {failed[0][0]}: {failed[0][1]}" if failed else None
-                else:
-                    status = backend.broadcast_object(status)
-                if status is not None and error is None:
-                    who = "a rank" if self._collective else "the main process"
-                    error = CheckpointError(
-                        f"{who} failed to save: {status}", path=self.store.directory, step=state.step
-                    )
-        if error is not None:
-            raise error
+        saved = saver.save(
+            engine, latest=fresh, links=links, best_weights=averaged, reason=reason, fitting=self._fitting
+        )
         self._last_key = key
         if best:
             self._best_due = False
-        for job in done:
-            self._committed(engine, job)
+        self._report(engine, (saved, None))
 
-    def _dispatch(self, engine: Engine, job: Job, done: list[Job]) -> None:
-        """Hand a job to the background writer, or commit it now (sync mode, writing ranks only)."""
-        if self._store_async:
-            self._submit_to_store(job, done)
-        elif self._writer is not None:
-            late = optimizer_written(engine) if job.payload is not None else set()
-            staging = self._writer.submit(job, late)
-            if staging is not None and staging.copies is not None and staging.copies.pending:
-                if (
-                    self._fitting
-                ):  # released before the next optimizer step (docs/checkpoints.md, "Async saves on GPUs")
-                    self._fence.arm(engine, staging)
-                else:
-                    staging.release()  # outside a fit nothing tells when the user writes the parameters
-        elif self._writes:
-            self._commit(job)
-            if job.full:
-                done.append(job)
-
-    def _commit(self, job: Job) -> None:
-        """Write and name one job (in the loop, or in the writer thread); store errors become `CheckpointError`.
-
-        A collective store's `write` runs on every rank; naming and retention
-        on the main rank, then every rank waits at the store's barrier.
-        """
-        store = self.store
-        if not job.full:  # another replica group writes the checkpoint: only this group's data state
-            if job.payload is not None and job.primary == "latest":
-                with store_errors("saving this replica group's data state", store.path("replicas"), job.step):
-                    store.write_replica(job.primary, job.payload)
-            return
-        with store_errors(f"saving {list(job.names)}", store.path(job.names[0] if job.names else "latest"), job.step):
-            if job.payload is not None and job.primary is not None:
-                store.write(job.primary, job.payload)
-            if job.links:
-                self._main_only(lambda: self._name(job))
-
-    def _name(self, job: Job) -> None:
-        for name in job.links:
-            self.store.link("latest", name)
-        if any(name.startswith("ckpt-") for name in job.links):
-            self._prune()
-
-    def _submit_to_store(self, job: Job, done: list[Job]) -> None:
-        """Async mode with a store that stages itself (DCP): every rank calls `write_async` in the loop.
-
-        The store waits for its previous save before staging the next one, on
-        every rank (no save is dropped, so every rank enters the same
-        collectives); the main rank names the checkpoint right after its
-        commit (no collective there), before the next one can commit.
-        """
-        if not job.full:  # TorchFT: another replica group writes the checkpoint; this group's data state now
-            self._commit(job)
-            return
-        if job.payload is None:  # only new names for the state last saved: after its commit
-            for handle, _ in self._handles:
-                handle.wait()
-            self._commit(job)
-            done.append(job)
-            return
-        after = (lambda manifest: self._name(job)) if job.links else None
-        handle = self.store.write_async(job.primary, job.payload, after_commit=after)  # type: ignore[attr-defined]
-        self._handles.append((handle, job))
-
-    def _collect_handles(self, engine: Engine, raise_errors: bool = True) -> None:
-        """Fire on_save for the store's committed async saves, in order; raise the first error."""
-        while self._handles and self._handles[0][0].done():
-            handle, job = self._handles.pop(0)
-            error = handle.exception()
-            if error is None:
-                self._committed(engine, job)
-                continue
-            if not raise_errors:
-                logger.error("%s", error)
-                continue
+    def _report(self, engine: Engine, collected: Collected) -> None:
+        """Fire `on_save` for each committed save, in order; then raise the saver's error, if any."""
+        saved, error = collected
+        for checkpoint in saved:
+            self.last_saved = checkpoint
+            engine.fire(Event.ON_SAVE)
+        if error is not None:
             raise error
 
-    def _prune(self) -> None:
-        keep = self.config.keep_latest_k
-        if not keep:
-            return
-        names = self.store.names()
-        for prefix in ("ckpt-s", "ckpt-e"):
-            history = sorted(n for n in names if n.startswith(prefix))  # zero-padded: name order is age
-            for name in history[:-keep]:
-                try:
-                    self.store.delete(name)
-                except OSError as exc:
-                    if name not in self._undeletable:  # warn once per snapshot; retried at each prune
-                        self._undeletable.add(name)
-                        logger.warning("checkpoint retention: cannot delete %s: %s; training goes on", name, exc)
 
-    def _collect(self, engine: Engine, raise_errors: bool = True) -> None:
-        """Fire on_save for background commits; raise a background error in the loop."""
-        assert self._writer is not None
-        done, error, failed = self._writer.take()
-        for job in done:
-            if job.full:
-                self._committed(engine, job)
-        if error is None:
-            return
-        where = failed.names if failed is not None else ()
-        wrapped = CheckpointError(
-            f"the background write of {list(where)} failed: {type(error).__name__}: {error}",
-            path=self.store.directory,
-            step=failed.step if failed else None,
-        )
-        if not raise_errors:
-            logger.error("%s", wrapped)
-            return
-        raise wrapped from error
-
-    def _committed(self, engine: Engine, job: Job) -> None:
-        primary = job.primary or (job.links[0] if job.links else "latest")
-        self.last_saved = SavedCheckpoint(job.names, self.store.path(primary), job.step, job.epoch, job.reason)
-        engine.fire(Event.ON_SAVE)
-
-
-def _ema_for_best(engine: Engine) -> Any:
+def _best_weights(engine: Engine) -> BestWeights | None:
+    """The callback whose weights `best` holds (EMA with `best_with_ema`), by its declared contract."""
     for callback in engine.callbacks:
-        if getattr(callback, "best_with_ema", False) and callable(getattr(callback, "swapped", None)):
+        if isinstance(callback, BestWeights) and callback.best_with_ema:
             return callback
     return None

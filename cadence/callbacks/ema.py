@@ -88,7 +88,11 @@ class EMA(Callback):
 
     @property
     def best_with_ema(self) -> bool:
-        """Whether the `best` checkpoint should hold the averaged parameters."""
+        """Whether the `best` checkpoint should hold the averaged parameters.
+
+        With `swapped`, the `BestWeights` contract (`cadence.checkpoint.saver`) by
+        which the `Checkpoint` callback finds the weights `best` holds.
+        """
         return self.config.best_with_ema
 
     # -- building ---------------------------------------------------------

@@ -1,17 +1,19 @@
 """Pieces of the DCP store: the payload split for `torch.distributed.checkpoint`, hashing writes, its process group.
 
-- `split` / `rebuild`: the payload's tensors under `model`, `optimizers` and
-  `callbacks` (and every DTensor) go to DCP under flat keys named like DCP's
-  own flattening (`model.0.weight`, `optimizers.0.state.0.exp_avg`); the rest
-  of the payload, with a placeholder for each of those tensors, is the
-  *skeleton*, saved with `torch.save` beside DCP's files.
+- `split` (put back by `file_io.rebuild(..., TENSOR)`): the payload's tensors
+  under `model`, `optimizers` and `callbacks` (and every DTensor) go to DCP
+  under flat keys named like DCP's own flattening (`model.0.weight`,
+  `optimizers.0.state.0.exp_avg`); the rest of the payload, with a placeholder
+  for each of those tensors, is the *skeleton*, saved with `torch.save` beside
+  DCP's files.
+- `quiet`: DCP's warning that it assumes one process, silenced where that is the intent.
 - `Writer`: DCP's `FileSystemWriter`, hashing every byte it writes (XXH3-64,
   as the bytes go out, no second read) and writing the rank's objects file;
   each rank leaves a record of its files' sizes and checksums for the main
   rank's manifest.
-- `checkpoint_group`: one gloo group of all ranks for checkpoint collectives,
-  never the group the training loop uses (an async save runs its collectives
-  in a thread, beside the loop's).
+- `checkpoint_group` (with `group`, `all_gather`, `broadcast` on it): one gloo
+  group of all ranks for checkpoint collectives, never the group the training
+  loop uses (an async save runs its collectives in a thread, beside the loop's).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import pickle
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -101,22 +104,6 @@ def placeholders(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, tu
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from placeholders(v, (*path, i))
-
-
-def rebuild(obj: Any, tensors: Mapping[str, Any]) -> Any:
-    """The skeleton with its placeholders replaced by `tensors[key]`."""
-    if isinstance(obj, dict):
-        if len(obj) == 1 and TENSOR in obj:
-            return tensors[obj[TENSOR]]
-        out = type(obj)((k, rebuild(v, tensors)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, list):
-        return [rebuild(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(rebuild(v, tensors) for v in obj)
-    return obj
 
 
 def lookup(tree: Any, path: tuple[Any, ...]) -> Any:
@@ -321,6 +308,20 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+_QUIET = "torch.distributed is (disabled, )?unavailable or uninitialized"
+
+
+@contextlib.contextmanager
+def quiet(group: Any) -> Iterator[None]:
+    """Without a process group, DCP warns that it assumes one process at every call: that is the intent here."""
+    if group is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_QUIET)
+        yield
+
+
 # -- the checkpoint process group ------------------------------------------------------------
 
 _GROUP_LOCK = threading.Lock()
@@ -352,3 +353,35 @@ def checkpoint_group(timeout: float) -> Any:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         _GROUP = (weakref.ref(world), weakref.ref(group))
         return group
+
+
+def group(timeout: float) -> tuple[Any, int, int]:
+    """`(group, rank, world)` of the store's own gloo group (`checkpoint_group`); `(None, 0, 1)` without one."""
+    import torch.distributed as dist
+
+    found = checkpoint_group(timeout)
+    if found is None:
+        return None, 0, 1
+    return found, dist.get_rank(found), dist.get_world_size(found)
+
+
+def all_gather(obj: Any, group: Any, world: int) -> list[Any]:
+    """`obj` of every rank of `group` (itself alone without a process group)."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast(obj: Any, group: Any, world: int) -> Any:
+    """Rank 0's `obj` of `group`, on every rank."""
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0]

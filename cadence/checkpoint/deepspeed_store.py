@@ -34,10 +34,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from cadence.checkpoint import file_io, folders
-from cadence.checkpoint.folders import MANIFEST
+from cadence.checkpoint import file_io
+from cadence.checkpoint.folders import MANIFEST, FolderStore
 from cadence.checkpoint.payload import RESTORED_BY_STORE
-from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore
+from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError
 
 #: The client-state key Cadence's payload travels under in DeepSpeed's model-states file.
 CLIENT_KEY = "cadence"
@@ -75,7 +75,7 @@ def manifest_checksum(manifest: Mapping[str, Any]) -> str:
     return _xxhash().xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
 
 
-class DeepSpeedStore(CheckpointStore):
+class DeepSpeedStore(FolderStore):
     """Checkpoints written and read by DeepSpeed's engine on every rank (see the module docstring).
 
     Built by `DeepSpeedBackend.checkpoint_store`; it needs the backend's
@@ -96,14 +96,11 @@ class DeepSpeedStore(CheckpointStore):
     restores_model: ClassVar[bool] = True
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, backend: Any, durable: bool = True) -> None:
-        super().__init__(directory)
+        super().__init__(directory, durable=durable)
         self.backend = backend
-        self.durable = durable
 
-    def _folder(self) -> Path:
-        if self.directory is None:
-            raise ValueError("DeepSpeedStore has no directory: use store.at(directory)")
-        return self.directory
+    def _looks_like_data(self, filename: str) -> bool:
+        return filename in ("client_state.pt", "zero_to_fp32.py") or filename.startswith("mp_rank_")
 
     @property
     def _main(self) -> bool:
@@ -177,21 +174,6 @@ class DeepSpeedStore(CheckpointStore):
         manifest["manifest_xxh3"] = manifest_checksum(manifest)
         return manifest
 
-    def _commit(self, tmp: Path, final: Path) -> None:
-        old: Path | None = None
-        if not final.exists():
-            os.rename(tmp, final)
-        elif file_io.exchange(tmp, final):
-            old = tmp  # the previous checkpoint now sits at the temporary name
-        else:
-            old = final.parent / f".old-{final.name}.{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-        if self.durable:
-            file_io.fsync_dir(final.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
     def barrier(self) -> None:
         """Every rank waits (after the main rank's naming, retention or sweep).
 
@@ -202,96 +184,33 @@ class DeepSpeedStore(CheckpointStore):
 
     def link(self, src: str, dst: str) -> None:
         """Commit `dst` as a copy of `src` made of hard links (main rank only)."""
-        if not self._main:
-            return
-        file_io.check_name(dst)
-        source = self.path(src)
-        self.manifest(src)
-        tmp = source.parent / f".tmp-{dst}.link"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            shutil.copytree(source, tmp, copy_function=_link_or_copy)
-            if self.durable:
-                file_io.fsync_dir(tmp)
-            self._commit(tmp, self.path(dst))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        if self._main:
+            super().link(src, dst)
 
     def delete(self, name: str) -> None:
         """Remove `name` (main rank only): renamed away at once, then removed."""
-        if not self._main:
-            return
-        target = self.path(name)
-        trash = target.parent / f".trash-{name}.{os.getpid()}"
-        os.rename(target, trash)
-        if self.durable:
-            file_io.fsync_dir(target.parent)
-        shutil.rmtree(trash, ignore_errors=True)
+        if self._main:
+            super().delete(name)
 
     def sweep(self) -> list[str]:
         """Remove folders interrupted writes left (main rank only)."""
-        if not self._main:
-            return []
-        return folders.sweep(self._folder())
+        return super().sweep() if self._main else []
 
     # -- reading ------------------------------------------------------------------------
 
-    def names(self) -> list[str]:
-        return folders.names(self._folder())
-
-    def exists(self, name: str) -> bool:
-        return folders.exists(self.path(name))
-
-    def locate(self, path: str | os.PathLike[str]) -> tuple[DeepSpeedStore, str]:
-        directory, name = folders.locate(
-            path,
-            lambda f: f in ("client_state.pt", "zero_to_fp32.py") or f.startswith("mp_rank_"),
-            "not a complete checkpoint: manifest.json is missing (an interrupted write or a damaged copy); it is "
-            "never loaded; use another checkpoint",
-        )
-        return self.at(directory), name  # type: ignore[return-value]
-
-    def manifest(self, name: str) -> dict[str, Any]:
-        folder = self.path(name)
-        if not folder.is_dir():
-            known = ", ".join(self.names()) or "none"
-            raise CheckpointError(f"no checkpoint named {name!r} in {folder.parent} (there: {known})", path=folder)
-        try:
-            manifest = json.loads((folder / MANIFEST).read_text())
-        except FileNotFoundError:
-            raise CheckpointError(
-                "not a complete checkpoint: manifest.json is missing (an interrupted write); use another checkpoint",
-                path=folder,
-            ) from None
-        except ValueError:
-            manifest = None
-        if not (
-            isinstance(manifest, dict) and manifest.get("format") == FORMAT and manifest.get("store") == "deepspeed"
-        ):
+    def _check_manifest(self, folder: Path, raw: bytes, manifest: dict[str, Any]) -> None:
+        if manifest.get("store") != "deepspeed":
             raise CheckpointError(
                 "manifest.json is unreadable or not a manifest of a DeepSpeed checkpoint of Cadence", path=folder
             )
         if manifest.get("manifest_xxh3") != manifest_checksum(manifest):
             raise CheckpointError("manifest.json fails its own checksum: the file is damaged", path=folder)
-        return manifest
 
     def verify(self, name: str) -> dict[str, Any]:
         """Check every file's size, then its XXH3-64 checksum, against the manifest (reads everything)."""
         manifest = self.manifest(name)
         folder, step = self.path(name), manifest.get("step")
-        for file, entry in manifest["files"].items():
-            try:
-                size = os.stat(folder / file).st_size
-            except FileNotFoundError:
-                raise CheckpointError(f"{file} is missing (the manifest lists it)", path=folder, step=step) from None
-            if size != entry["size"]:
-                raise CheckpointError(
-                    f"{file} is {size} bytes, the manifest says {entry['size']}: the file is "
-                    f"{'truncated' if size < entry['size'] else 'damaged'}; use another checkpoint",
-                    path=folder,
-                    step=step,
-                )
+        self._check_sizes(folder, manifest, manifest["files"])
         for file, entry in manifest["files"].items():
             value = file_checksum(folder / file)
             if entry.get("algorithm") != ALGORITHM or value != entry["checksum"]:
@@ -422,10 +341,3 @@ class DeepSpeedStore(CheckpointStore):
         except Exception as exc:
             raise CheckpointError(f"cannot read {file}: {exc}", path=folder, step=manifest.get("step")) from exc
         return state.get(CLIENT_KEY)
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)

@@ -11,7 +11,6 @@ early so the final fsync has little left to do. Reading is in
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import errno
 import json
@@ -19,7 +18,6 @@ import logging
 import os
 import queue
 import re
-import shutil
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -146,18 +144,24 @@ def placeholders(obj: Any) -> Iterator[int]:
             yield from placeholders(v)
 
 
-def rebuild(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
+def rebuild(obj: Any, tensors: Mapping[Any, Any], marker: str = TENSOR) -> Any:
+    """The payload's structure with each placeholder `{marker: key}` replaced by `tensors[key]`.
+
+    The one rebuild of every store that saves a payload's structure apart from its
+    tensors: the file store (`TENSOR`, keys into the tensor table) and the DCP store
+    (`dcp_io.TENSOR`, DCP's flat keys).
+    """
     if isinstance(obj, dict):
-        if len(obj) == 1 and TENSOR in obj:
-            return tensors[obj[TENSOR]]
-        out = type(obj)((k, rebuild(v, tensors)) for k, v in obj.items())
+        if len(obj) == 1 and marker in obj:
+            return tensors[obj[marker]]
+        out = type(obj)((k, rebuild(v, tensors, marker)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):
             out._metadata = obj._metadata  # type: ignore[attr-defined]
         return out
     if isinstance(obj, list):
-        return [rebuild(v, tensors) for v in obj]
+        return [rebuild(v, tensors, marker) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(rebuild(v, tensors) for v in obj)
+        return tuple(rebuild(v, tensors, marker) for v in obj)
     return obj
 
 
@@ -384,51 +388,3 @@ def exchange(a: Path, b: Path) -> bool:
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False
     raise OSError(code, os.strerror(code), str(b))
-
-
-class Reaper:
-    """Removes superseded checkpoint folders in a background thread, in order.
-
-    Removing a 1 GB folder can take a third of a second (more with online
-    discard); a commit is durable before that, so the loop does not wait for it.
-    The thread ends when the queue is empty; `wait()` joins it. A folder left
-    by a crash keeps its temporary name and is swept at the next start.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: collections.deque[Path] = collections.deque()
-        self._thread: threading.Thread | None = None
-
-    def remove(self, path: Path) -> None:
-        with self._lock:
-            self._queue.append(path)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cadence-checkpoint-cleanup", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):  # cleanup: the loop and the saves come first (Linux)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._thread = None
-                    return
-                path = self._queue.popleft()
-            try:
-                shutil.rmtree(path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("checkpoint: cannot delete %s (%s); it is retried at the next start", path, exc)
-
-    def wait(self) -> None:
-        """Return once every queued folder is removed."""
-        while True:
-            with self._lock:
-                thread = self._thread
-            if thread is None:
-                return
-            with contextlib.suppress(RuntimeError):
-                thread.join()

@@ -21,28 +21,24 @@ byte-level work is in `cadence.checkpoint.file_io`.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
-import re
-import secrets
-import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cadence.checkpoint import file_io, file_read, folders
-from cadence.checkpoint.folders import MANIFEST
-from cadence.checkpoint.store import FORMAT, CheckpointError, CheckpointStore
+from cadence.checkpoint import file_io, file_read
+from cadence.checkpoint.folders import MANIFEST, FolderStore, claimed_step
+from cadence.checkpoint.store import FORMAT, CheckpointError
 
 PAYLOAD = "payload.pt"
 
 
-class FileStore(CheckpointStore):
+class FileStore(FolderStore):
     """Checkpoint folders on a local or shared filesystem (see the module docstring).
 
     Args:
@@ -68,14 +64,11 @@ class FileStore(CheckpointStore):
         weights_only: bool = True,
         direct_io: bool | None = None,
     ) -> None:
-        super().__init__(directory)
-        self.durable, self.weights_only, self.direct_io = durable, weights_only, direct_io
-        self._reaper = file_io.Reaper()  # shared by the copies `at()` makes
+        super().__init__(directory, durable=durable)
+        self.weights_only, self.direct_io = weights_only, direct_io
 
-    def _folder(self) -> Path:
-        if self.directory is None:
-            raise ValueError("FileStore has no directory: use FileStore(directory) or store.at(directory)")
-        return self.directory
+    def _looks_like_data(self, filename: str) -> bool:
+        return filename == PAYLOAD or filename.endswith(".bin")
 
     # -- writing ------------------------------------------------------------------------
 
@@ -105,102 +98,9 @@ class FileStore(CheckpointStore):
             file_io.write_bytes(tmp / MANIFEST, raw, self.durable)
         return json.loads(raw)
 
-    def link(self, src: str, dst: str) -> None:
-        file_io.check_name(dst)
-        source = self.path(src)
-        self.manifest(src)  # only a complete checkpoint gets another name
-        with self._staged(dst) as tmp:
-            for entry in sorted(os.scandir(source), key=lambda e: e.name == MANIFEST):  # manifest last
-                try:
-                    os.link(entry.path, tmp / entry.name)
-                except OSError:  # no hard links here (another filesystem, FAT, some network mounts)
-                    shutil.copyfile(entry.path, tmp / entry.name)
-                    if self.durable:
-                        file_io.fsync_file(tmp / entry.name)
-
-    @contextlib.contextmanager
-    def _staged(self, name: str) -> Iterator[Path]:
-        """A temporary folder beside `name`; committed in place on success, removed on error."""
-        final = self.path(name)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{name}.{os.getpid()}.{secrets.token_hex(4)}"
-        tmp.mkdir()
-        try:
-            yield tmp
-            if self.durable:
-                file_io.fsync_dir(tmp)
-            self._commit(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    def _commit(self, tmp: Path, final: Path) -> None:
-        """Give `tmp` the name `final` in one step; the previous `final` is removed after."""
-        old: Path | None = None
-        if not final.exists():
-            os.rename(tmp, final)
-        elif file_io.exchange(tmp, final):
-            old = tmp  # the exchange left the previous checkpoint at the temporary name
-        else:  # no atomic exchange here: move the old one aside first (sweep() repairs a crash in between)
-            old = final.parent / f".old-{final.name}.{os.getpid()}.{secrets.token_hex(4)}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-        if self.durable:
-            file_io.fsync_dir(final.parent)
-        if old is not None:  # committed: the superseded copy goes in the background
-            self._reaper.remove(old)
-
-    def delete(self, name: str) -> None:
-        target = self.path(name)
-        trash = target.parent / f".trash-{name}.{os.getpid()}.{secrets.token_hex(4)}"
-        os.rename(target, trash)  # invisible at once; the files go after
-        if self.durable:
-            file_io.fsync_dir(target.parent)
-        self._reaper.remove(trash)
-
-    def wait(self) -> None:
-        """Wait until superseded and deleted checkpoints are removed from the disk."""
-        self._reaper.wait()
-
-    def sweep(self) -> list[str]:
-        return folders.sweep(self._folder())
-
     # -- reading ------------------------------------------------------------------------
 
-    def names(self) -> list[str]:
-        return folders.names(self._folder())
-
-    def exists(self, name: str) -> bool:
-        return folders.exists(self.path(name))
-
-    def locate(self, path: str | os.PathLike[str]) -> tuple[FileStore, str]:
-        directory, name = folders.locate(path, lambda f: f == PAYLOAD or f.endswith(".bin"), _NO_MANIFEST)
-        return self.at(directory), name  # type: ignore[return-value]
-
-    def manifest(self, name: str) -> dict[str, Any]:
-        folder = self.path(name)
-        if not folder.is_dir():
-            known = ", ".join(self.names()) or "none"
-            raise CheckpointError(f"no checkpoint named {name!r} in {folder.parent} (there: {known})", path=folder)
-        try:
-            raw = (folder / MANIFEST).read_bytes()
-        except FileNotFoundError:
-            raise CheckpointError(_NO_MANIFEST, path=folder) from None
-        try:
-            manifest = json.loads(raw)
-            ok = (
-                isinstance(manifest, dict)
-                and manifest.get("format") == FORMAT
-                and isinstance(manifest.get("files"), dict)
-            )
-        except ValueError:
-            ok, manifest = False, None
-        if not ok:
-            raise CheckpointError(
-                f"{MANIFEST} is unreadable or not a cadence manifest: the file is damaged{_claimed_step(raw)}; "
-                "use another checkpoint",
-                path=folder,
-            )
+    def _check_manifest(self, folder: Path, raw: bytes, manifest: dict[str, Any]) -> None:
         if file_io.MANIFEST_KEY not in manifest and "manifest_crc32" in manifest:
             algorithms = sorted({str(e.get("algorithm")) for e in manifest["files"].values() if isinstance(e, dict)})
             raise CheckpointError(
@@ -212,11 +112,10 @@ class FileStore(CheckpointStore):
             )
         if not file_io.check_manifest(raw):
             raise CheckpointError(
-                f"{MANIFEST} fails its own checksum ({file_io.ALGORITHM}): the file is damaged{_claimed_step(raw)}; "
+                f"{MANIFEST} fails its own checksum ({file_io.ALGORITHM}): the file is damaged{claimed_step(raw)}; "
                 "use another checkpoint",
                 path=folder,
             )
-        return manifest
 
     def verify(self, name: str) -> dict[str, Any]:
         return self._consistent(name, self._verify)
@@ -300,22 +199,6 @@ class FileStore(CheckpointStore):
             for n, file in enumerate(files):
                 self._check_checksum(folder, manifest, file, reads.read(n))
 
-    def _check_sizes(self, folder: Path, manifest: dict[str, Any], files: Mapping[str, Any]) -> None:
-        for file, expected in files.items():
-            try:
-                size = os.stat(folder / file).st_size
-            except FileNotFoundError:
-                raise CheckpointError(
-                    f"{file} is missing (the manifest lists it)", path=folder, step=manifest.get("step")
-                ) from None
-            if size != expected["size"]:
-                raise CheckpointError(
-                    f"{file} is {size} bytes, the manifest says {expected['size']}: the file is "
-                    f"{'truncated' if size < expected['size'] else 'damaged'}; use another checkpoint",
-                    path=folder,
-                    step=manifest.get("step"),
-                )
-
     def _check_checksum(self, folder: Path, manifest: dict[str, Any], file: str, value: int) -> None:
         entry = manifest["files"][file]
         if entry.get("algorithm") != file_io.ALGORITHM:
@@ -349,15 +232,3 @@ def _identity(folder: Path) -> tuple[int, ...] | None:
     except OSError:
         return None
     return stat.st_dev, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns
-
-
-def _claimed_step(raw: bytes) -> str:
-    """What a damaged manifest seems to say about its step (for the error message only)."""
-    found = re.search(rb'"step": (\d+)', raw)
-    return f" (it says step {int(found.group(1))}, which cannot be trusted)" if found else " (its step is unreadable)"
-
-
-_NO_MANIFEST = (
-    "not a complete checkpoint: manifest.json is missing (an interrupted write or a damaged copy); "
-    "it is never loaded; use another checkpoint"
-)

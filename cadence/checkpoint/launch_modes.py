@@ -1,27 +1,103 @@
-"""How a run starts from a checkpoint: auto-resume's pick of the newest complete one, and pretrained weights.
+"""How a run starts from a checkpoint: a given one, auto-resume's pick of the newest complete one, pretrained weights.
 
 The `Checkpoint` callback applies the launch modes in `on_setup` (resume >
 auto_resume > pretrained, docs/checkpoints.md, "Launch modes"); reading,
 checking and picking the checkpoint is done here, beside the stores.
+`from_checkpoint` builds an engine and restores it at construction.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from cadence.checkpoint.payload import load_pretrained, locate, restore
-from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_errors
+from cadence.checkpoint.payload import load_pretrained, restore
+from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_class, store_errors
+from cadence.engine.engine import Engine
 from cadence.engine.events import Event
 
-if TYPE_CHECKING:
-    from cadence.engine.engine import Engine
-
 logger = logging.getLogger("cadence.checkpoint")
+
+
+def from_checkpoint(path: str | os.PathLike[str], *args: Any, strict: bool = True, **kwargs: Any) -> Engine:
+    """Build `Engine(*args, **kwargs)` and restore the full state saved at `path`.
+
+    `path` is a checkpoint (`.../checkpoints/latest`) or a checkpoint folder
+    (its `latest` is used). Fires `on_load`; a `Checkpoint` callback among
+    the callbacks then skips its own launch modes. See docs/checkpoints.md.
+
+    Example:
+        >>> from cadence.checkpoint import from_checkpoint
+        >>> engine = from_checkpoint("runs/x/checkpoints/latest", model, opt, data)  # doctest: +SKIP
+    """
+    engine = Engine(*args, **kwargs)
+    try:
+        load_checkpoint(engine, path, strict=strict)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def load_checkpoint(engine: Engine, path: str | os.PathLike[str], *, strict: bool = True) -> dict[str, Any]:
+    """Read the checkpoint at `path` with the backend's store and `restore` it; returns the payload.
+
+    Every rank calls it. Store errors are raised as `CheckpointError` naming the checkpoint.
+    """
+    store, name = locate(engine, engine.backend.checkpoint_store(engine), path)
+    with store_errors("reading", store.path(name)):
+        payload = store.read(name)
+    restore(engine, payload, strict=strict, source=str(store.path(name)))
+    return payload
+
+
+def locate(engine: Engine, store: CheckpointStore, path: str | os.PathLike[str]) -> tuple[CheckpointStore, str]:
+    """`store.locate(path)` on every rank: a collective store's main rank locates and tells the others.
+
+    A checkpoint of another kind than a non-collective store's own (the
+    manifest's `"store"`) is read by that kind's store where it can read on
+    any backend (`CheckpointStore.reader_for`: a sharded DCP checkpoint on one
+    process or on DDP's process group).
+    """
+    backend = engine.backend
+    if not (store.collective and backend.world_size > 1):
+        with store_errors("locating", path):
+            at, name = store.locate(path)
+        kind = _written_by(at.path(name))
+        if not store.collective and kind is not None and kind != at.kind:
+            found = store_class(kind)
+            reader = found.reader_for(engine) if found is not None else None
+            if reader is not None:
+                return reader.at(at.path(name).parent), name
+        return at, name
+    found_at: tuple[str, str] | None = None
+    problem: str | None = None
+    if backend.is_main:
+        try:
+            with store_errors("locating", path):
+                at, name = store.locate(path)
+            found_at = (str(at.directory), name)
+        except CheckpointError as exc:
+            problem = exc.reason
+    found_at, problem = backend.broadcast_object((found_at, problem))
+    if found_at is None:
+        raise CheckpointError(str(problem), path=path)
+    return store.at(found_at[0]), found_at[1]
+
+
+def _written_by(folder: os.PathLike[str]) -> str | None:
+    """The manifest's `"store"` field (`"file"` where it has none); None if it cannot be read (the store reports it)."""
+    try:
+        manifest = json.loads((Path(folder) / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    return str(manifest.get("store", "file")) if isinstance(manifest, dict) else None
 
 
 def auto_resume(engine: Engine, store: CheckpointStore, *, strict: bool) -> bool:

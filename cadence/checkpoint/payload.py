@@ -1,7 +1,8 @@
 """Building a checkpoint's payload and restoring an engine from one.
 
 `build_payload` assembles what a resume needs and `restore` puts it back,
-validating everything before it changes the engine.
+validating everything before it changes the engine. Reading a checkpoint from
+a path (`load_checkpoint`, `from_checkpoint`) is in `cadence.checkpoint.launch_modes`.
 
 Payload (a dict): `format`, `version`, `meta` (step, epoch, world size...),
 `engine` (State), `model`, `optimizers`, `schedulers`, `data` (the train
@@ -13,15 +14,13 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import os
 import time
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore, store_errors
+from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError
 from cadence.engine import config as config_module
 from cadence.engine.events import Event
 from cadence.engine.state import State, capture_rng, restore_rng
@@ -119,57 +118,6 @@ def _native_rng(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- restore ----------------------------------------------------------------------------
-
-
-def load_checkpoint(engine: Engine, path: str | os.PathLike[str], *, strict: bool = True) -> dict[str, Any]:
-    """Read the checkpoint at `path` with the backend's store and `restore` it; returns the payload.
-
-    Every rank calls it. Store errors are raised as `CheckpointError` naming the checkpoint.
-    """
-    store, name = locate(engine, engine.backend.checkpoint_store(engine), path)
-    with store_errors("reading", store.path(name)):
-        payload = store.read(name)
-    restore(engine, payload, strict=strict, source=str(store.path(name)))
-    return payload
-
-
-def locate(engine: Engine, store: CheckpointStore, path: str | os.PathLike[str]) -> tuple[CheckpointStore, str]:
-    """`store.locate(path)` on every rank: a collective store's main rank locates and tells the others."""
-    backend = engine.backend
-    if not (store.collective and backend.world_size > 1):
-        with store_errors("locating", path):
-            at, name = store.locate(path)
-        if not store.collective and _written_by(at.path(name)) == "dcp":
-            # A sharded run's checkpoint (mesh, DDP with checkpoint="dcp") on a backend whose own store is
-            # the file store: DCP reads it on this rank's process group, or on one process without one.
-            from cadence.checkpoint.dcp_store import DCPStore
-
-            return DCPStore.for_engine(engine).at(at.path(name).parent), name
-        return at, name
-    found: tuple[str, str] | None = None
-    problem: str | None = None
-    if backend.is_main:
-        try:
-            with store_errors("locating", path):
-                at, name = store.locate(path)
-            found = (str(at.directory), name)
-        except CheckpointError as exc:
-            problem = exc.reason
-    found, problem = backend.broadcast_object((found, problem))
-    if found is None:
-        raise CheckpointError(str(problem), path=path)
-    return store.at(found[0]), found[1]
-
-
-def _written_by(folder: os.PathLike[str]) -> str | None:
-    """The manifest's `"store"` field (`"file"` where it has none); None if it cannot be read (the store reports it)."""
-    import json
-
-    try:
-        manifest = json.loads((Path(folder) / "manifest.json").read_bytes())
-    except (OSError, ValueError):
-        return None
-    return str(manifest.get("store", "file")) if isinstance(manifest, dict) else None
 
 
 def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, source: str = "") -> None:

@@ -19,9 +19,11 @@ group) every rank of the writing group writes the run's checkpoint together
 group's data state is one file written by the group's main rank (`main`): the
 train positions in a payload are already gathered over the group's data ranks
 (`build_payload`), one entry per data rank, so one file holds the positions of
-every data rank of the group and commits them together. Asynchronous saves go
-through the inner store's `write_async` (`stages_itself`); the writing group's
-data state is then written after the run's checkpoint is committed.
+every data rank of the group and commits them together. Over a store that
+stages its own asynchronous saves (an `AsyncCheckpointStore`: DCP) the replica
+store is one too (`AsyncReplicaStore`, chosen by `ReplicaStore(inner, ...)`):
+its `write_async` goes through the inner store's, and the writing group's data
+state is written after the run's checkpoint is committed.
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError, CheckpointStore
+from cadence.checkpoint.store import (
+    FORMAT,
+    VERSION,
+    AsyncCheckpointStore,
+    CheckpointError,
+    CheckpointStore,
+    PendingSave,
+)
 
 logger = logging.getLogger("cadence.checkpoint")
 
@@ -89,6 +98,12 @@ class ReplicaStore(CheckpointStore):
             `FaultTolerance.load_manager_state`). None: not saved.
     """
 
+    def __new__(cls, inner: CheckpointStore | None = None, *args: Any, **kwargs: Any) -> ReplicaStore:
+        # Over a store that stages its own async saves, the replica store does too.
+        if cls is ReplicaStore and isinstance(inner, AsyncCheckpointStore):
+            cls = AsyncReplicaStore
+        return super().__new__(cls)
+
     def __init__(
         self,
         inner: CheckpointStore,
@@ -106,8 +121,6 @@ class ReplicaStore(CheckpointStore):
         self.collective = inner.collective  # type: ignore[misc]
         self.background_safe = inner.background_safe  # type: ignore[misc]
         self.restores_model = inner.restores_model  # type: ignore[misc]
-        # A store that stages its own async saves (DCP's `write_async`): so is this one.
-        self.stages_itself = bool(getattr(inner, "stages_itself", False))
 
     def at(self, directory: Any) -> ReplicaStore:
         other = copy.copy(self)
@@ -137,35 +150,6 @@ class ReplicaStore(CheckpointStore):
         if name == "latest":
             self.write_replica(name, payload)
         return manifest
-
-    def write_async(
-        self,
-        name: str,
-        payload: Mapping[str, Any],
-        after_commit: Callable[[dict[str, Any]], None] | None = None,
-    ) -> Any:
-        """Every rank (a store that `stages_itself`): the inner store's async save of the run's checkpoint.
-
-        The group's data state of `payload` (small: positions, counters, RNG)
-        is taken now and written by the inner store's committing rank right
-        after the commit, before `after_commit`: it is never newer than the
-        group's committed checkpoint. Returns the inner store's handle.
-        """
-        write_async = getattr(self.inner, "write_async", None)
-        if write_async is None:
-            raise TypeError(f"{type(self.inner).__name__} has no write_async: it does not stage its own saves")
-        state = replica_payload(payload, self.replica_id)
-        payload = self._with_manager(payload)
-        if name != "latest":
-            return write_async(name, payload, after_commit=after_commit)
-
-        def committed(manifest: dict[str, Any]) -> None:
-            # On the inner store's main rank (DCP: group rank 0), in its commit thread.
-            self._replica_store().write("latest", state)
-            if after_commit is not None:
-                after_commit(manifest)
-
-        return write_async(name, payload, after_commit=committed)
 
     def write_replica(self, name: str, payload: Mapping[str, Any]) -> None:
         """Write this group's data state (for `latest` only: a group's data state has one version; main rank only)."""
@@ -289,3 +273,35 @@ class ReplicaStore(CheckpointStore):
         other = copy.copy(self)
         other.inner, other.directory = store, store.directory
         return other, name
+
+
+class AsyncReplicaStore(ReplicaStore, AsyncCheckpointStore):
+    """A `ReplicaStore` over a store that stages its own async saves (`ReplicaStore(inner, ...)` picks it)."""
+
+    def write_async(
+        self,
+        name: str,
+        payload: Mapping[str, Any],
+        after_commit: Callable[[dict[str, Any]], None] | None = None,
+    ) -> PendingSave:
+        """Every rank: the inner store's async save of the run's checkpoint.
+
+        The group's data state of `payload` (small: positions, counters, RNG)
+        is taken now and written by the inner store's committing rank right
+        after the commit, before `after_commit`: it is never newer than the
+        group's committed checkpoint. Returns the inner store's handle.
+        """
+        assert isinstance(self.inner, AsyncCheckpointStore)
+        write_async = self.inner.write_async
+        state = replica_payload(payload, self.replica_id)
+        payload = self._with_manager(payload)
+        if name != "latest":
+            return write_async(name, payload, after_commit=after_commit)
+
+        def committed(manifest: dict[str, Any]) -> None:
+            # On the inner store's main rank (DCP: group rank 0), in its commit thread.
+            self._replica_store().write("latest", state)
+            if after_commit is not None:
+                after_commit(manifest)
+
+        return write_async(name, payload, after_commit=committed)

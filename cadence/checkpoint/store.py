@@ -1,27 +1,43 @@
-"""The checkpoint store contract and its error.
+"""The checkpoint store contract, its error, and the stores by the kind their manifests name.
 
 A checkpoint is a named snapshot (`latest`, `best`, `ckpt-s000000000040`, ...)
 in a folder, committed atomically by a `CheckpointStore`: either complete or
 invisible. A backend says how it is written (`Backend.checkpoint_store`): the
 file store for one process and DDP, DCP or DeepSpeed stores for the others.
-The `Checkpoint` callback (cadence/callbacks/checkpoint.py) decides when;
+A store that stages its own asynchronous saves (DCP's `async_save`) is an
+`AsyncCheckpointStore`. The `Checkpoint` callback (cadence/callbacks/checkpoint.py)
+decides when; the saver (`cadence.checkpoint.saver`) writes;
 `cadence.checkpoint.payload` builds and restores what is saved.
 """
 
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import contextlib
 import copy
+import importlib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cadence.engine.bus import CadenceError
 
+if TYPE_CHECKING:
+    from cadence.engine.engine import Engine
+
 FORMAT = "cadence-checkpoint"
 VERSION = 1
+
+#: The store class that reads a checkpoint, by the `"store"` field of its manifest (`"file"` where
+#: the manifest has none), as `module:Class`: imported when a checkpoint of that kind is met.
+STORES: dict[str, str] = {
+    "file": "cadence.checkpoint.file_store:FileStore",
+    "dcp": "cadence.checkpoint.dcp_store:DCPStore",
+    "deepspeed": "cadence.checkpoint.deepspeed_store:DeepSpeedStore",
+}
 
 
 class CheckpointError(CadenceError, RuntimeError):
@@ -93,8 +109,10 @@ class CheckpointStore(abc.ABC):
 
     Attributes:
         kind: the manifest's `"store"` field of the checkpoints it writes
-            (`"file"` where the manifest has none); a non-collective store's
-            `load_checkpoint` reads a `"dcp"` checkpoint with the DCP store.
+            (`"file"` where the manifest has none; `STORES` maps it to the
+            class). A non-collective store's `load_checkpoint` reads a
+            checkpoint of another kind with that kind's `reader_for(engine)`
+            (the DCP store's: a sharded checkpoint loads on one process).
         collective: `write` and `read` are collectives of every rank (see above).
         background_safe: `write` may run in the callback's writer thread while
             the loop trains (async saves). False for a store whose writes run
@@ -119,6 +137,16 @@ class CheckpointStore(abc.ABC):
         other = copy.copy(self)
         other.directory = Path(directory)
         return other
+
+    @classmethod
+    def reader_for(cls, engine: Engine) -> CheckpointStore | None:
+        """A store of this kind that reads its checkpoints into `engine` on any backend; None: only its own.
+
+        `load_checkpoint` asks it for a checkpoint of this kind (the manifest's
+        `"store"`) found where the backend's own, non-collective store is of
+        another kind.
+        """
+        return None
 
     def path(self, name: str) -> Path:
         if self.directory is None:
@@ -186,3 +214,83 @@ class CheckpointStore(abc.ABC):
 
         Collective stores: main rank only (`payload.locate` tells the others).
         """
+
+
+class PendingSave:
+    """An asynchronous save (`AsyncCheckpointStore.write_async`): staged, being written, then committed.
+
+    `result()` waits and returns the manifest on the committing rank (None on
+    the others), or raises `CheckpointError`. The store completes it
+    (`set_result` / `set_exception`) from the thread `started` in.
+    """
+
+    def __init__(self, name: str, step: int | None) -> None:
+        self.name, self.step = name, step
+        self._future: concurrent.futures.Future[dict[str, Any] | None] = concurrent.futures.Future()
+        self._thread: threading.Thread | None = None
+
+    def started(self, thread: threading.Thread) -> None:
+        """The thread that completes this save (joined by `wait`, `result` and `exception`)."""
+        self._thread = thread
+
+    def set_result(self, manifest: dict[str, Any] | None) -> None:
+        self._future.set_result(manifest)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._future.set_exception(error)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the save is committed or failed (no error raised); False on timeout."""
+        concurrent.futures.wait([self._future], timeout)
+        if self._future.done() and self._thread is not None:
+            self._thread.join()
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> dict[str, Any] | None:
+        value = self._future.result(timeout)
+        if self._thread is not None:
+            self._thread.join()
+        return value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        error = self._future.exception(timeout)
+        if self._thread is not None:
+            self._thread.join()
+        return error
+
+
+class AsyncCheckpointStore(CheckpointStore):
+    """A store that stages its own asynchronous saves (the DCP store: `dcp.async_save` with its stager).
+
+    `Checkpoint(async_mode="async")` saves through `write_async` instead of the
+    saver's `AsyncWriter` and its staging: every rank calls it in the loop, in
+    the same order (collective stores).
+    """
+
+    @abc.abstractmethod
+    def write_async(
+        self,
+        name: str,
+        payload: Mapping[str, Any],
+        after_commit: Callable[[dict[str, Any]], None] | None = None,
+    ) -> PendingSave:
+        """Stage `payload` and return; it is written in the background, then committed as `name`.
+
+        One save is in flight at a time: a call while the previous one is being
+        written first waits for it (no save is dropped). `after_commit(manifest)`
+        runs on the committing rank after the commit, before the next save can
+        commit (give the checkpoint its other names there).
+        """
+
+
+def store_class(kind: str) -> type[CheckpointStore] | None:
+    """The store class of checkpoints whose manifest says `"store": kind` (`STORES`); None for an unknown kind."""
+    target = STORES.get(kind)
+    if target is None:
+        return None
+    module, _, name = target.partition(":")
+    found: type[CheckpointStore] = getattr(importlib.import_module(module), name)
+    return found

@@ -943,27 +943,6 @@ class Engine:
             return self.data[self.eval_splits[0]]
         raise ValueError(f"no evaluation set {split!r}: the engine has {list(self.eval_splits)}")
 
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, *args: Any, strict: bool = True, **kwargs: Any) -> Engine:
-        """Build `Engine(*args, **kwargs)` and restore the full state saved at `path`.
-
-        `path` is a checkpoint (`.../checkpoints/latest`) or a checkpoint folder
-        (its `latest` is used). Fires `on_load`; a `Checkpoint` callback among
-        the callbacks then skips its own launch modes. See docs/checkpoints.md.
-
-        Example:
-            >>> engine = cadence.Engine.from_checkpoint("runs/x/checkpoints/latest", model, opt, data)  # doctest: +SKIP
-        """
-        from cadence.checkpoint.payload import load_checkpoint
-
-        engine = cls(*args, **kwargs)
-        try:
-            load_checkpoint(engine, path, strict=strict)
-        except BaseException:
-            engine.close()
-            raise
-        return engine
-
     def state_dict(self) -> dict[str, Any]:
         """The engine's counters (with the last loss as a float)."""
         if self.loss is not None:

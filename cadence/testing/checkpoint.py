@@ -32,7 +32,7 @@ def check(
     make: Callable[..., Any], workdir: Path, scenario: Scenario, report: Report, *, volatile: Sequence[str]
 ) -> None:
     """Train, save, resume in a fresh engine; compare the state and the continuation."""
-    from cadence.checkpoint.payload import load_checkpoint
+    from cadence.checkpoint.launch_modes import load_checkpoint
     from cadence.testing.harness import failure_text
 
     started = time.perf_counter()

@@ -14,6 +14,7 @@ from cadence.backends.ddp import DDPBackend
 from cadence.backends.local import LocalBackend
 from cadence.backends.transforms import ActivationCheckpointConfig, apply_activation_checkpointing, find_units
 from cadence.callbacks import Checkpoint
+from cadence.checkpoint import from_checkpoint
 from cadence.launch import launch
 from tests.conftest import tiny_dataset, tiny_model
 from tests.distributed.test_mesh import Block, Net
@@ -129,7 +130,7 @@ def test_compiled_model_resumes_bitwise_and_its_checkpoint_loads_into_an_uncompi
     # The compiled run's checkpoint loads into a plain model (no `_orig_mod.` keys) ...
     plain = tiny_model(seed=1)
     assert not any("_orig_mod" in k for k in plain.state_dict())
-    loaded = cadence.Engine.from_checkpoint(
+    loaded = from_checkpoint(
         tmp_path / "at-3", plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), tiny_dataset(64),
         loss_fn=F.cross_entropy, backend=LocalBackend(device="cpu"), seed=0, train={"batch_size": 8, "shuffle": False},
         callbacks=[Checkpoint(interval=0, save_on_fit_end=False)],
@@ -144,7 +145,7 @@ def test_compiled_model_resumes_bitwise_and_its_checkpoint_loads_into_an_uncompi
     assert list(engine.backend.model_state_dict(engine)) == list(Net().state_dict())
     engine.close()
     back = torch.compile(Net(seed=3), backend="eager")
-    again = cadence.Engine.from_checkpoint(
+    again = from_checkpoint(
         tmp_path / "third", back, torch.optim.AdamW(back.parameters(), lr=1e-2), tiny_dataset(64),
         loss_fn=F.cross_entropy, backend=LocalBackend(device="cpu"), seed=0, train={"batch_size": 8, "shuffle": False},
         callbacks=[Checkpoint(interval=0, save_on_fit_end=False)],

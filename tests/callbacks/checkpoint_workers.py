@@ -22,6 +22,7 @@ import torchdata.stateful_dataloader  # noqa: F401 - likewise
 
 import cadence
 from cadence.callbacks.checkpoint import Checkpoint
+from cadence.checkpoint import from_checkpoint
 
 STEPS = 40
 EPOCHS = 3
@@ -79,7 +80,7 @@ def build(
     )
     args = (model, optimizer, dataset)
     if resume == "from_checkpoint":
-        engine = cadence.Engine.from_checkpoint(directory, *args, **kwargs)
+        engine = from_checkpoint(directory, *args, **kwargs)
     else:
         engine = cadence.Engine(*args, **kwargs)
     if stop is not None:  # stop after step `stop`: requested before its optimizer step, agreed in that step

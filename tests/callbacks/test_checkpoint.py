@@ -17,9 +17,9 @@ import torch
 
 import cadence
 from cadence.callbacks.checkpoint import Checkpoint, CheckpointConfig
-from cadence.checkpoint import file_read
+from cadence.checkpoint import file_read, from_checkpoint
 from cadence.checkpoint.file_store import FileStore
-from cadence.checkpoint.payload import load_checkpoint
+from cadence.checkpoint.launch_modes import load_checkpoint
 from cadence.checkpoint.store import CheckpointError
 from cadence.checkpoint.writer import AsyncWriter, Job
 from tests.conftest import tiny_dataset, tiny_model
@@ -250,7 +250,7 @@ def test_async_saves_commit_fire_on_save_and_drain_at_teardown(tmp_path: Path) -
     assert not writer_threads()
     assert FileStore(tmp_path).manifest("latest")["step"] == 10
     assert [s.step for s in events.saves if s.names[0] == "latest" and len(s.names) > 1] == [2, 4, 6, 8, 10]
-    used = [s for s in ckpt._writer._stagings if s.buffers]
+    used = [s for s in ckpt.saver.writer._stagings if s.buffers]
     pointers = {k: v.data_ptr() for k, v in used[0].buffers.items()}
     engine.fit(steps=2)  # survives a second fit; the staging buffers are reused
     assert not writer_threads()
@@ -261,7 +261,7 @@ def test_async_saves_commit_fire_on_save_and_drain_at_teardown(tmp_path: Path) -
 def test_the_first_async_save_copies_into_staging_reserved_at_the_first_step(tmp_path: Path) -> None:
     engine, ckpt = make(tmp_path, checkpoint={"interval": 2, "async_mode": "async", "save_on_fit_end": False})
     engine.fit(steps=1)
-    staging = max(ckpt._writer._stagings, key=lambda s: s.nbytes)
+    staging = max(ckpt.saver.writer._stagings, key=lambda s: s.nbytes)
     assert staging.nbytes, "no staging reserved at the first step end: the first save pays for fresh memory"
     assert not [t for t in threading.enumerate() if t.name == "cadence-staging-prefault"]  # joined at teardown
     pool = staging._pools[0]
@@ -370,7 +370,7 @@ def test_from_checkpoint_restores_once(tmp_path: Path) -> None:
     trained(tmp_path / "a", 3)
     events = Events()
     model = tiny_model()
-    engine = cadence.Engine.from_checkpoint(
+    engine = from_checkpoint(
         tmp_path / "a",
         model,
         torch.optim.AdamW(model.parameters(), lr=0.05),

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 import cadence
 from cadence.callbacks import Checkpoint
+from cadence.checkpoint import from_checkpoint
 from cadence.checkpoint.file_store import FileStore
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
@@ -149,7 +150,7 @@ def test_async_file_saves_of_gpu_state_hold_their_step_s_values_while_training_g
     assert store.names() == ["ckpt-s000000000003", "ckpt-s000000000006", "ckpt-s000000000009", "latest"]
     for step in (3, 6, 9):
         assert_equal(snapshot.saved[step], store.read(f"ckpt-s{step:012d}"), f"step {step}")
-    restored = cadence.Engine.from_checkpoint(
+    restored = from_checkpoint(
         tmp_path / "ckpt-s000000000006",
         (model := Net()),
         torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -200,7 +201,7 @@ def test_dcp_saves_on_a_one_process_nccl_mesh_hold_their_step_s_values_and_resto
     for step in (3, 6):
         assert_equal(snapshot.saved[step], DCPStore(tmp_path).read(f"ckpt-s{step:012d}"), f"step {step}")
     model = Net()
-    with cadence.Engine.from_checkpoint(
+    with from_checkpoint(
         tmp_path / "ckpt-s000000000006",
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-2),

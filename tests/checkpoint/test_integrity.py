@@ -1,7 +1,7 @@
 """Checksums that see real damage: compensating bit flips, swapped words, truncation, a flipped byte in any file.
 
 Every damaged checkpoint is refused with a `CheckpointError` naming the file and the step, by the store, by
-`Engine.from_checkpoint` and by `cadence inspect`; auto_resume falls back to the previous complete checkpoint.
+`cadence.checkpoint.from_checkpoint` and by `cadence inspect`; auto_resume falls back to the previous complete checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import xxhash
 
 import cadence
 from cadence.callbacks.checkpoint import Checkpoint
+from cadence.checkpoint import from_checkpoint
 from cadence.checkpoint.file_store import FileStore
 from cadence.checkpoint.store import CheckpointError
 from tests.conftest import tiny_dataset, tiny_model
@@ -186,7 +187,7 @@ def test_resume_refuses_and_auto_resume_falls_back_to_the_previous_complete_chec
     pattern = error_pattern(file, how, 6)
 
     with pytest.raises(CheckpointError, match=pattern):
-        cadence.Engine.from_checkpoint(
+        from_checkpoint(
             directory / "latest", tiny_model(inputs=64), torch.optim.AdamW(tiny_model(inputs=64).parameters()),
             tiny_dataset(inputs=64), loss_fn=torch.nn.functional.cross_entropy,
             device="cpu",

@@ -4,7 +4,7 @@ Each launch groups several runs (a launch costs seconds): FSDP2 on shard 2
 stopped mid-epoch at step 7 and resumed, with sync and with async saves,
 equal bit for bit (losses and parameters) to the run that was never stopped;
 its EMA shadow resharded 2 -> 1 (a 1-rank mesh, and the local backend in one
-process through `Engine.from_checkpoint`); and (slow) shard 2 x tensor 2 on
+process through `cadence.checkpoint.from_checkpoint`); and (slow) shard 2 x tensor 2 on
 4 processes, whose checkpoint also loads on shard 2 and on one process.
 """
 
@@ -21,6 +21,7 @@ from torch.nn import functional as F
 import cadence
 from cadence.backends.mesh import MeshBackend
 from cadence.callbacks import EMA, Checkpoint
+from cadence.checkpoint import from_checkpoint
 from cadence.launch import launch
 from tests.conftest import tiny_dataset
 from tests.distributed.test_mesh import Net, _full, flat, make_engine
@@ -80,9 +81,9 @@ def load_on_mesh(options: dict, checkpoint: str) -> dict:
 
 
 def load_on_one_process(checkpoint: str) -> dict:
-    """`Engine.from_checkpoint` on the local backend (no process group): the store comes from the checkpoint."""
+    """`cadence.checkpoint.from_checkpoint` on the local backend (no process group): the store comes from the checkpoint."""
     ema = EMA(decay=0.9)
-    engine = cadence.Engine.from_checkpoint(
+    engine = from_checkpoint(
         checkpoint,
         *_engine_args(Net(seed=23)),
         loss_fn=F.cross_entropy,
