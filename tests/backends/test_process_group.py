@@ -63,7 +63,10 @@ def test_mesh_and_deepspeed_configs_carry_the_same_settings():
 
 def test_the_flight_recorder_size_in_the_environment_wins(monkeypatch):
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
+        # Set, then deleted: monkeypatch then removes what enable() sets below when the test ends (a delenv
+        # of an unset variable records nothing, and the size set here leaked into every later test's ranks).
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
     recorder = FlightRecorder.enable(500)
     assert (recorder.entries, recorder.source) == (500, "cadence")
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "500" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
@@ -79,7 +82,8 @@ def test_the_flight_recorder_size_in_the_environment_wins(monkeypatch):
 
 def test_dumps_go_to_the_heartbeat_folder_unless_a_file_is_named(tmp_path, monkeypatch):
     for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so what dump_into sets is removed when the test ends
+        monkeypatch.delenv(name)
     FlightRecorder(0, "cadence").dump_into(tmp_path)  # off: torch writes nothing, nothing is set
     assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
     assert FlightRecorder(0, "cadence").dump(tmp_path, 0) is None and not any(tmp_path.iterdir())
