@@ -19,18 +19,18 @@ if TYPE_CHECKING:
     from cadence.engine.backend import Backend
     from cadence.engine.bus import CadenceError, Handle, HookError, OrderError
     from cadence.engine.callback import Callback
-    from cadence.engine.config import ConfigError
     from cadence.engine.control import Requests, RequestTimingError
     from cadence.engine.data import DataConfig
     from cadence.engine.engine import Engine, EngineConfig
     from cadence.engine.events import Event
     from cadence.engine.order import Order
     from cadence.engine.state import State, seed_everything
+    from cadence.run.config import ConfigError
 
 # Imported on first use, so `import cadence.cli` (the `cadence` command) does not import torch.
 _ENGINE = {
     "Backend": "cadence.engine.backend", "CadenceError": "cadence.engine.bus", "Handle": "cadence.engine.bus", "HookError": "cadence.engine.bus",
-    "OrderError": "cadence.engine.bus", "Callback": "cadence.engine.callback", "ConfigError": "cadence.engine.config",
+    "OrderError": "cadence.engine.bus", "Callback": "cadence.engine.callback", "ConfigError": "cadence.run.config",
     "Requests": "cadence.engine.control", "RequestTimingError": "cadence.engine.control", "DataConfig": "cadence.engine.data", "Engine": "cadence.engine.engine",
     "EngineConfig": "cadence.engine.engine", "Event": "cadence.engine.events", "Order": "cadence.engine.order",
     "State": "cadence.engine.state", "seed_everything": "cadence.engine.state",

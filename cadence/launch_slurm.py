@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import attrs
 
-from cadence.engine.registry import require
+from cadence.run.registry import require
 
 logger = logging.getLogger("cadence")
 

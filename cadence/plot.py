@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cadence.engine.registry import require
+from cadence.run.registry import require
 
 #: Keys of a metrics.jsonl line that are not metrics.
 RESERVED = frozenset({"step", "epoch", "time", "split"})

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import cadence
-from cadence.engine.config_cli import parse_cli
+from cadence.run.config_cli import parse_cli
 
 
 @attrs.define(kw_only=True)

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import digits
 
-from cadence.engine.config_cli import parse_cli
 from cadence.launch import launch
+from cadence.run.config_cli import parse_cli
 
 
 def main(argv: list[str] | None = None, nprocs: int = 2) -> float:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 import cadence
 from cadence.callbacks import Checkpoint
 from cadence.callbacks.metrics import default_callbacks
-from cadence.engine.config_cli import parse_cli
+from cadence.run.config_cli import parse_cli
 
 
 @attrs.define(kw_only=True)

@@ -53,7 +53,7 @@ from torch.nn import functional as F
 import cadence
 from cadence.backends.float8 import Float8Config
 from cadence.callbacks import TrainMetrics
-from cadence.engine.config_cli import parse_cli
+from cadence.run.config_cli import parse_cli
 
 # -- the model ---------------------------------------------------------------------------
 
@@ -632,7 +632,7 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, config: OptimConfig, steps
 def make_backend(cfg: LMConfig) -> Any:
     """The backend named by `engine.backend`: with `mesh.*` and the tensor-parallel plan's options when it is the
     mesh backend, with `precision_overrides` and `float8` on the local, ddp and mesh backends."""
-    from cadence.engine import registry
+    from cadence.run import registry
 
     transforms: dict[str, Any] = {}
     if cfg.precision_overrides:

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 import cadence
-from cadence.engine.config_cli import parse_cli
+from cadence.run.config_cli import parse_cli
 from tests.conftest import tiny_batches, tiny_model
 
 pytestmark = pytest.mark.timeout(90)

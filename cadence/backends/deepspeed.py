@@ -40,8 +40,8 @@ import torch.distributed as dist
 from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend
 from cadence.backends.flight_recorder import DEFAULT_ENTRIES
 from cadence.backends.process_group import GroupSettings
-from cadence.engine import config as config_module
 from cadence.engine.backend import NULL_CONTEXT, LocalParameter, StepPlan, move_to
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine, EngineConfig

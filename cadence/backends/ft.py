@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import attrs
 
-from cadence.engine import config as config_module
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     import torch

@@ -301,7 +301,7 @@ class ModelTransforms:
     @classmethod
     def build(cls, compile: Any, activation_checkpointing: Any, units: Any, where: str, **more: Any) -> ModelTransforms:
         """From a backend's keywords (None: the default); `more`: `precision_overrides`, `float8`."""
-        from cadence.engine.config import structure
+        from cadence.run.config import structure
 
         data: dict[str, Any] = {}
         given = {"compile": compile, "activation_checkpointing": activation_checkpointing, **more}

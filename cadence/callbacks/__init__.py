@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from cadence.engine.registry import callbacks as _registry
+from cadence.run.registry import callbacks as _registry
 
 # Class name -> module, derived from the registry's built-in names.
 _CLASSES: dict[str, str] = {

@@ -21,10 +21,10 @@ import attrs
 from cadence.checkpoint.launch_modes import auto_resume, load_checkpoint, load_pretrained_weights
 from cadence.checkpoint.saver import BestWeights, Collected, SavedCheckpoint, Saver
 from cadence.checkpoint.store import CheckpointStore
-from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
 from cadence.engine.order import Order
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine

@@ -31,9 +31,9 @@ from cadence.callbacks.heartbeat_watch import (
     RankWatch,
     stacks_path,
 )
-from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine

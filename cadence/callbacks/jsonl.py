@@ -12,9 +12,9 @@ from typing import IO, TYPE_CHECKING, Any
 import attrs
 
 from cadence.callbacks.metrics import eval_split, is_main
-from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine

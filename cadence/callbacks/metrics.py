@@ -19,12 +19,12 @@ import attrs
 import torch
 
 from cadence.callbacks.memory import CudaMemory
-from cadence.engine import config as config_module
 from cadence.engine.bus import Handle
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
 from cadence.engine.metrics import Collector
 from cadence.engine.order import Order
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine

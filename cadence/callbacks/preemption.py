@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.engine import config as config_module
-from cadence.engine import registry
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
+from cadence.run import config as config_module
+from cadence.run import registry
 
 if TYPE_CHECKING:
     from types import FrameType

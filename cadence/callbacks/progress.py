@@ -11,11 +11,11 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import attrs
 
 from cadence.callbacks.metrics import LineThrottle, is_main
-from cadence.engine import config as config_module
 from cadence.engine.bus import Handle
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
 from cadence.engine.order import Order
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from cadence.callbacks.metrics import flat_config, is_main
-from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
-from cadence.engine.registry import require
+from cadence.run import config as config_module
+from cadence.run.registry import require
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine
@@ -137,7 +137,7 @@ class TensorBoard(Callback):
     def _write_hparams(self, engine: Engine) -> None:
         from torch.utils.tensorboard.summary import hparams
 
-        from cadence.engine.config import canonical_yaml
+        from cadence.run.config import canonical_yaml
 
         flat = flat_config(engine.run_config)
         experiment, start, end = hparams(flat, {tag(name): 0.0 for name in engine.logged})

@@ -10,10 +10,10 @@ import attrs
 
 from cadence.callbacks.metrics import is_main
 from cadence.callbacks.tensorboard import tag
-from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
-from cadence.engine.registry import require
+from cadence.run import config as config_module
+from cadence.run.registry import require
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine

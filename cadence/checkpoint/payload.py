@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError
-from cadence.engine import config as config_module
 from cadence.engine.events import Event
 from cadence.engine.state import State, capture_rng, restore_rng
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine

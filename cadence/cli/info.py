@@ -80,7 +80,7 @@ def _devices(torch: Any) -> list[tuple[str, str]]:
 def _backends(torch: Any) -> list[tuple[str, str, str]]:
     import importlib.util
 
-    from cadence.engine import registry
+    from cadence.run import registry
 
     dist = torch.distributed
     has_dist = dist.is_available()
@@ -118,7 +118,7 @@ def _backends(torch: Any) -> list[tuple[str, str, str]]:
 
 
 def _callbacks() -> list[tuple[str, str, str]]:
-    from cadence.engine import registry
+    from cadence.run import registry
 
     describe = getattr(registry, "describe_callbacks", None)
     if describe is not None:

@@ -23,7 +23,7 @@ def list_runs(args: argparse.Namespace) -> int:
     """Print one line per run directory of the workspace."""
     import yaml
 
-    from cadence.engine import rundir
+    from cadence.run import rundir
 
     root = existing_dir(args.workspace, "workspace")
     runs = _run_dirs(root)

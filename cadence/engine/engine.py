@@ -14,8 +14,7 @@ from typing import Any, Literal, TypeVar
 import attrs
 import torch
 
-from cadence.engine import checks, registry, rundir
-from cadence.engine import config as config_module
+from cadence.engine import checks
 from cadence.engine.backend import NULL_CONTEXT, Backend, batch_size, restore_training_mode
 from cadence.engine.bus import EventBus, Handle, as_event, callback_key
 from cadence.engine.control import IN_STEP_EVENTS, Requests
@@ -26,11 +25,12 @@ from cadence.engine.feed import TrainFeed
 from cadence.engine.metrics import MetricStore, Reduction
 from cadence.engine.placement import Placement
 from cadence.engine.state import State, seed_everything
+from cadence.run import config as config_module
+from cadence.run import registry, rundir
 
 logger = logging.getLogger("cadence")
 
-# Events of the step as module constants: `Event.X` costs an enum attribute lookup
-# (~65 ns) each time, and on a tiny step every bit of Python between torch ops shows.
+# Events of the step as module constants: `Event.X` costs an enum attribute lookup (~65 ns) each time.
 _ON_STEP_START, _ON_STEP_END = Event.ON_STEP_START, Event.ON_STEP_END
 _ON_BEFORE_OPTIMIZER_STEP, _ON_OPTIMIZER_STEP = Event.ON_BEFORE_OPTIMIZER_STEP, Event.ON_OPTIMIZER_STEP
 _ON_BATCH, _ON_FORWARD, _ON_BACKWARD = Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD
@@ -294,7 +294,7 @@ class Engine:
         """Register a callback; returns a handle whose `remove()` unregisters it.
 
         A config entry (`"name"` or `{"name": ..., **arguments}`, see
-        `cadence.engine.registry.build_callback`) is built first.
+        `cadence.run.registry.build_callback`) is built first.
         """
         if isinstance(callback, (str, Mapping)):
             callback = registry.build_callback(callback)

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from cadence.engine.callback import Callback
 from cadence.engine.engine import Engine
-from cadence.engine.registry import build_callback
+from cadence.run.registry import build_callback
 
 #: What `check_callback` accepts as the callback to check.
 Factory = Callable[..., Any] | type | str | Mapping[str, Any]

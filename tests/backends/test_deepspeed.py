@@ -501,9 +501,9 @@ def test_missing_deepspeed_names_the_extra():
         """
         import sys
         sys.modules["deepspeed"] = None  # as if DeepSpeed were not installed
-        import cadence.backends, cadence.engine.registry
+        import cadence.backends, cadence.run.registry
         import torch, cadence
-        assert "deepspeed" in cadence.engine.registry.backends.names()
+        assert "deepspeed" in cadence.run.registry.backends.names()
         model = torch.nn.Linear(2, 1)
         try:
             cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="deepspeed", device="cpu")
@@ -518,7 +518,7 @@ def test_missing_deepspeed_names_the_extra():
 
 
 def test_import_cadence_backends_does_not_import_deepspeed():
-    code = "import sys, cadence, cadence.backends, cadence.engine.registry; assert 'deepspeed' not in sys.modules"
+    code = "import sys, cadence, cadence.backends, cadence.run.registry; assert 'deepspeed' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 

@@ -12,7 +12,7 @@ import cadence
 from cadence import Event
 from cadence.callbacks import LRScheduler, NonFiniteSkip
 from cadence.callbacks.scheduler import LRSchedulerConfig
-from cadence.engine.config import ConfigError
+from cadence.run.config import ConfigError
 from tests.conftest import tiny_batches, tiny_model
 
 pytestmark = pytest.mark.timeout(60)

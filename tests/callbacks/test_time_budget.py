@@ -19,9 +19,9 @@ import cadence
 from cadence import Event
 from cadence.callbacks import Checkpoint, TimeBudget
 from cadence.callbacks.time_budget import parse_duration
-from cadence.engine.config import ConfigError
-from cadence.engine.registry import build_callback
 from cadence.launch import launch
+from cadence.run.config import ConfigError
+from cadence.run.registry import build_callback
 from tests.conftest import tiny_dataset, tiny_model
 
 pytestmark = pytest.mark.timeout(120)

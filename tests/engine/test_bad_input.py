@@ -24,8 +24,8 @@ from torch.nn import functional as F
 import cadence
 from cadence.backends.ddp import DDPBackend
 from cadence.callbacks import Checkpoint, GradClip
-from cadence.engine import config as config_module
-from cadence.engine.config_cli import parse_overrides
+from cadence.run import config as config_module
+from cadence.run.config_cli import parse_overrides
 from tests.conftest import tiny_dataset, tiny_model
 
 

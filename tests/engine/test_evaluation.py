@@ -10,9 +10,9 @@ import cadence
 from cadence.callbacks.checkpoint import Checkpoint
 from cadence.callbacks.jsonl import JSONL, read_jsonl
 from cadence.callbacks.metrics import TrainMetrics
-from cadence.engine.config_cli import parse_cli
 from cadence.engine.evaluation import MetricError
 from cadence.metrics import Accuracy, Metric
+from cadence.run.config_cli import parse_cli
 from tests.conftest import tiny_batches, tiny_dataset, tiny_model
 
 torchmetrics = pytest.importorskip("torchmetrics", reason="needs torchmetrics: pip install 'cadence[metrics]'")

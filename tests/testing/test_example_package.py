@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cadence.engine.registry import build_callback, describe_callbacks, discover
+from cadence.run.registry import build_callback, describe_callbacks, discover
 from cadence.testing import PROPERTIES, check_callback
 
 pytestmark = [

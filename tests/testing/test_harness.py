@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import cadence
-from cadence.engine.registry import callbacks as registry
+from cadence.run.registry import callbacks as registry
 from cadence.testing import PROPERTIES, ContractError, callback_contract, check_callback
 
 pytestmark = pytest.mark.timeout(180)

@@ -53,8 +53,8 @@ from cadence.backends.transforms import (
     find_units,
     unwrap_compiled,
 )
-from cadence.engine import config as config_module
 from cadence.engine.backend import NULL_CONTEXT, Domain, LocalParameter, ReduceOp, StepPlan
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine, EngineConfig

@@ -11,7 +11,7 @@ import torch
 from cadence_gradstats import GradientHistogram, LRFinder
 
 import cadence
-from cadence.engine.registry import build_callback, discover
+from cadence.run.registry import build_callback, discover
 from cadence.testing import callback_contract
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -5,7 +5,7 @@ Both callbacks are published under the entry-point group `cadence.callbacks`
 run only when named.
 
 Example:
-    >>> from cadence.engine.registry import build_callback
+    >>> from cadence.run.registry import build_callback
     >>> build_callback({"name": "gradient_histogram", "bins": 30}).config.bins
     30
 """

@@ -6,7 +6,7 @@ a bool) and every error names the dotted path, the expected type and the value
 received, so a bad config fails before any process group starts. A config's
 canonical YAML, its hash and its diff from the defaults (what a run directory
 records) live here too. Command lines (``--config FILE`` and ``key=value``
-overrides) are `cadence.engine.config_cli`.
+overrides) are `cadence.run.config_cli`.
 
 Example:
     >>> @attrs.define(kw_only=True)

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import yaml
 
-from cadence.engine import config as config_module
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
+from cadence.run import config as config_module
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine

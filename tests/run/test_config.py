@@ -1,4 +1,4 @@
-"""Tests for cadence.engine.config (strict structuring, errors, files, hashing) and config_cli (overrides, CLI)."""
+"""Tests for cadence.run.config (strict structuring, errors, files, hashing) and config_cli (overrides, CLI)."""
 
 # Postponed annotations on purpose: the config module must resolve string annotations.
 from __future__ import annotations
@@ -15,7 +15,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cadence.engine.config import (
+from cadence.engine.data import DataConfig
+from cadence.engine.engine import EngineConfig, EvalSetConfig
+from cadence.run.config import (
     ConfigError,
     canonical_yaml,
     config_diff,
@@ -26,9 +28,7 @@ from cadence.engine.config import (
     structure,
     unstructure,
 )
-from cadence.engine.config_cli import build, field_help, parse_cli, parse_overrides
-from cadence.engine.data import DataConfig
-from cadence.engine.engine import EngineConfig, EvalSetConfig
+from cadence.run.config_cli import build, field_help, parse_cli, parse_overrides
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -3,7 +3,7 @@
 `parse_cli` is the one call a training script makes; `build` does the same without
 ``sys.argv``, `parse_overrides` turns dotted ``a.b.c=value`` strings into a nested
 dict typed by walking the class, and `field_help` lists every leaf field for
-``--help``. Structuring, errors and files live in `cadence.engine.config`.
+``--help``. Structuring, errors and files live in `cadence.run.config`.
 
 Example:
     >>> @attrs.define(kw_only=True)
@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar, cast, get_args, get_origin
 import attrs
 import yaml
 
-from cadence.engine.config import (
+from cadence.run.config import (
     _MAPPINGS,
     _MISSING,
     _NONE,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import cadence
-from cadence.engine import registry
-from cadence.engine.config import ConfigError
-from cadence.engine.registry import UnknownNameError, build_callback, describe_callbacks, discover
+from cadence.run import registry
+from cadence.run.config import ConfigError
+from cadence.run.registry import UnknownNameError, build_callback, describe_callbacks, discover
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 import cadence
-from cadence.engine import rundir
-from cadence.engine.config import ConfigError, canonical_yaml, config_hash
+from cadence.run import rundir
+from cadence.run.config import ConfigError, canonical_yaml, config_hash
 from tests.conftest import tiny_batches, tiny_model
 
 pytestmark = pytest.mark.timeout(60)

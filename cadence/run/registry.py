@@ -204,7 +204,7 @@ def build_callback(spec: str | Mapping[str, Any], *, path: str = "callback") -> 
         >>> cb.state_key
         'mine'
     """
-    from cadence.engine.config import ConfigError
+    from cadence.run.config import ConfigError
 
     if isinstance(spec, str):
         spec = {"name": spec}
@@ -283,7 +283,7 @@ def _with_config(target: Any, arguments: dict[str, Any], path: str) -> dict[str,
     """Structure the arguments that belong to the target's attrs config."""
     import attrs
 
-    from cadence.engine.config import structure
+    from cadence.run.config import structure
 
     cls = config_class(target) if isinstance(target, type) else None
     if cls is None:
@@ -301,7 +301,7 @@ def _with_config(target: Any, arguments: dict[str, Any], path: str) -> dict[str,
 
 
 def _check_arguments(target: Any, arguments: dict[str, Any], name: str, path: str) -> None:
-    from cadence.engine.config import ConfigError
+    from cadence.run.config import ConfigError
 
     params = _parameters(target)
     if params is None:
