@@ -73,7 +73,8 @@ class CheckpointConfig:
         auto_resume: restore this run's `latest` if it exists (falling back to the newest complete snapshot).
         pretrained: a checkpoint, or a file saved with torch.save, to load model weights from.
         pretrained_exclude: fnmatch patterns of model keys not loaded from `pretrained`.
-        strict: missing/unexpected model keys and callback states, and an incompatible config, are errors.
+        strict: unexpected model keys, missing/unexpected callback states and an incompatible config are errors
+            (model keys missing from the checkpoint always are: exclude them with `pretrained_exclude`).
         drain_timeout: seconds teardown waits for background writes.
         barrier_timeout: seconds the other ranks wait for the main process to write.
     """

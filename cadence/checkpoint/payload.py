@@ -128,8 +128,10 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
     other callbacks. Everything is validated first (keys, shapes, counts,
     config, callback states); a problem raises `CheckpointError` naming
     `source` and the step, with the engine untouched. `strict=False` turns
-    missing/unexpected model keys and callback states, and config changes
-    that void the data position, into warnings. A payload marked
+    unexpected model keys, missing/unexpected callback states, and config
+    changes that void the data position, into warnings; model keys missing
+    from the checkpoint are always an error (those weights would stay at
+    their initialization). A payload marked
     `restored_by_store` (the DeepSpeed store's `read` loaded model and
     optimizer through DeepSpeed's engine, after its own checks) skips the
     model and optimizer checks and loads.
@@ -248,7 +250,7 @@ def load_pretrained(
 
     kept = {k: v for k, v in model_state.items() if not any(fnmatch.fnmatchcase(k, p) for p in patterns)}
     warnings: list[str] = []
-    _check_model(engine, kept, strict, patterns, fail, warnings)
+    _check_model(engine, kept, strict, patterns, fail, warnings, pretrained=True)
     for text in warnings:
         logger.warning("pretrained %s: %s", source, text)
     engine.backend.load_model_state_dict(engine, kept, strict=False)
@@ -267,7 +269,13 @@ def _listing(keys: list[str], limit: int = 10) -> str:
 
 
 def _check_model(
-    engine: Engine, saved: Mapping[str, Any], strict: bool, exclude: tuple[str, ...], fail: Any, warnings: list[str]
+    engine: Engine,
+    saved: Mapping[str, Any],
+    strict: bool,
+    exclude: tuple[str, ...],
+    fail: Any,
+    warnings: list[str],
+    pretrained: bool = False,
 ) -> None:
     current = engine.backend.model_state_dict(engine)
     missing = [k for k in current if k not in saved and not any(fnmatch.fnmatchcase(k, p) for p in exclude)]
@@ -282,11 +290,22 @@ def _check_model(
     ]
     if shapes:
         raise fail(f"model tensors differ in shape: {_listing(shapes)}")
-    if missing or unexpected:
-        text = f"model keys do not match: missing from the checkpoint [{_listing(missing)}], unexpected [{_listing(unexpected)}]"
+    text = f"model keys do not match: missing from the checkpoint [{_listing(missing)}], unexpected [{_listing(unexpected)}]"
+    if missing:  # never a warning: those weights would silently stay at their initialization
+        remedy = (
+            "exclude them explicitly (Checkpoint(pretrained_exclude=[...]) with fnmatch patterns) to keep them as "
+            "initialized"
+            if pretrained
+            else "load a checkpoint of this model, or load its weights with Checkpoint(pretrained=..., "
+            "pretrained_exclude=[...])"
+        )
+        raise fail(f"{text}; {len(missing)} tensor(s) of this model would stay at their initialization: {remedy}")
+    if unexpected:
         if strict:
-            raise fail(text + "; load a checkpoint of this model, or pass strict=False")
-        warnings.append(text)
+            raise fail(
+                text + "; load a checkpoint of this model, or pass strict=False to leave the unexpected keys out"
+            )
+        warnings.append(text + " (left out)")
 
 
 def _check_optimizers(engine: Engine, saved: list[Any], fail: Any, warnings: list[str]) -> list[Any]:
