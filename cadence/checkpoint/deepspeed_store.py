@@ -288,6 +288,22 @@ class DeepSpeedStore(FolderStore):
             payload = {k: v for k, v in payload.items() if k in keep}
         return payload
 
+    @classmethod
+    def for_reading(cls) -> DeepSpeedStore:
+        """A store for `manifest`, `verify` and `read_whole` without a DeepSpeed engine."""
+        return cls(backend=None)
+
+    def read_whole(self, name: str) -> dict[str, Any]:
+        """Without an engine: the payload with the whole module weights (ZeRO's fp32 masters); no optimizer state."""
+        manifest = self.manifest(name)
+        folder = self.path(name)
+        client = self._client_state(folder, manifest, rank=0)
+        if not isinstance(client, Mapping):
+            raise CheckpointError(
+                "it holds no Cadence payload in its client state", path=folder, step=manifest.get("step")
+            )
+        return {**client, "model": self._full_weights(folder, manifest), "optimizers": []}
+
     def _check_fits(self, name: str, manifest: Mapping[str, Any], module_only: bool) -> None:
         """Cadence's own error for what DeepSpeed cannot load: a changed ZeRO stage or data-parallel degree."""
         backend, folder, step = self.backend, self.path(name), manifest.get("step")
@@ -327,10 +343,10 @@ class DeepSpeedStore(FolderStore):
                 step=manifest.get("step"),
             ) from exc
 
-    def _client_state(self, folder: Path, manifest: Mapping[str, Any]) -> Any:
+    def _client_state(self, folder: Path, manifest: Mapping[str, Any], rank: int | None = None) -> Any:
         import torch
 
-        rank = min(self.backend.data_rank, int(manifest.get("data_size") or 1) - 1)
+        rank = min(self.backend.data_rank if rank is None else rank, int(manifest.get("data_size") or 1) - 1)
         file = (
             f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
             if manifest.get("zero_stage") == 3
