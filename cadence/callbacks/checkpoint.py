@@ -71,8 +71,11 @@ class CheckpointConfig:
         save_on_fit_end: save `latest` when fit ends.
         resume: a checkpoint (or a checkpoint folder) to restore in full.
         auto_resume: restore this run's `latest` if it exists (falling back to the newest complete snapshot).
-        pretrained: a checkpoint, or a file saved with torch.save, to load model weights from.
+        pretrained: a checkpoint, a file saved with torch.save, a safetensors file or folder, or a
+            Hugging Face folder, to load model weights from.
         pretrained_exclude: fnmatch patterns of model keys not loaded from `pretrained`.
+        pretrained_mapping: a key mapping for safetensors names (`module:NAME` or `file.py:NAME`, see
+            `cadence.checkpoint.hf`; e.g. `examples/lm.py:HFLlama`).
         strict: unexpected model keys, missing/unexpected callback states and an incompatible config are errors
             (model keys missing from the checkpoint always are: exclude them with `pretrained_exclude`).
         drain_timeout: seconds teardown waits for background writes.
@@ -97,6 +100,7 @@ class CheckpointConfig:
     auto_resume: bool = False
     pretrained: str | None = None
     pretrained_exclude: list[str] = attrs.field(factory=list)
+    pretrained_mapping: str | None = None
     strict: bool = True
     drain_timeout: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
     barrier_timeout: float = attrs.field(default=1800.0, validator=attrs.validators.gt(0))
@@ -205,7 +209,12 @@ class Checkpoint(Callback):
             pass  # this run's latest was restored: a pretrained model does not apply
         elif config.pretrained:
             load_pretrained_weights(
-                engine, self.store, config.pretrained, exclude=config.pretrained_exclude, strict=config.strict
+                engine,
+                self.store,
+                config.pretrained,
+                exclude=config.pretrained_exclude,
+                strict=config.strict,
+                mapping=config.pretrained_mapping,
             )
 
     # -- when to save ---------------------------------------------------------------------
