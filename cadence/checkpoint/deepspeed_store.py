@@ -135,7 +135,10 @@ class DeepSpeedStore(FolderStore):
                 error = exc
         self._agree_on_error(error, f"preparing {tmp}", step)
         client = {CLIENT_KEY: {k: v for k, v in payload.items() if k not in ("model", "optimizers")}}
-        backend.ds.save_checkpoint(str(directory), tag=tag, client_state=client, save_latest=False)
+        adapter = meta.get("params") == "trainable"  # Checkpoint(params="trainable"): frozen weights left out
+        backend.ds.save_checkpoint(
+            str(directory), tag=tag, client_state=client, save_latest=False, exclude_frozen_parameters=adapter
+        )
         manifest: dict[str, Any] = {}
         if self._main:
             try:
@@ -169,6 +172,7 @@ class DeepSpeedStore(FolderStore):
             "data_size": self.backend.data_size,
             "world_size": self.backend.world_size,
             "precision": self.backend.precision_name,
+            "params": meta.get("params", "all"),
             "files": files,
         }
         manifest["manifest_xxh3"] = manifest_checksum(manifest)
@@ -267,6 +271,7 @@ class DeepSpeedStore(FolderStore):
                 path, states = ds.load_checkpoint(
                     str(self._folder()),
                     tag=name,
+                    load_module_strict=manifest.get("params", "all") != "trainable",
                     load_module_only=module_only,
                     load_optimizer_states=not module_only,
                     load_lr_scheduler_states=False,

@@ -85,13 +85,20 @@ class Saver:
         store: the store, at its folder.
         backend: the engine's backend (ranks, the status exchange, `writes_checkpoint`).
         keep_latest_k: history snapshots (`ckpt-*`) kept after each one saved; 0 keeps all.
+        params: `"all"`, or `"trainable"`: the model's trainable parameters only (`cadence.checkpoint.params`).
         barrier_timeout: seconds the other ranks wait for the main process's sync save.
     """
 
     def __init__(
-        self, store: CheckpointStore, backend: Any, *, keep_latest_k: int = 0, barrier_timeout: float = 1800.0
+        self,
+        store: CheckpointStore,
+        backend: Any,
+        *,
+        keep_latest_k: int = 0,
+        barrier_timeout: float = 1800.0,
+        params: str = "all",
     ) -> None:
-        self.store, self.backend = store, backend
+        self.store, self.backend, self.params = store, backend, params
         self.keep_latest_k, self.barrier_timeout = keep_latest_k, barrier_timeout
         self.main = bool(backend.is_main)
         self.collective = store.collective and backend.world_size > 1  # a collective store on more than one rank
@@ -188,13 +195,17 @@ class Saver:
                 # Decided at each save: under TorchFT the writing replica group can change.
                 full = backend.writes_checkpoint
                 if latest or links:
-                    payload = build_payload(engine, model=not self.store.restores_model) if latest else None
+                    payload = (
+                        build_payload(engine, model=not self.store.restores_model, params=self.params)
+                        if latest
+                        else None
+                    )
                     job = Job(payload, "latest" if latest else None, links, state.step, state.epoch, reason, full=full)
                     self._dispatch(engine, job, done, fitting)
                 if best_weights is not None and full:
                     self.fence.release()  # the swaps write the parameters: after their copies
                     with best_weights.swapped(engine):  # `best` holds those weights; written before they go back
-                        best = build_payload(engine, model=not self.store.restores_model)
+                        best = build_payload(engine, model=not self.store.restores_model, params=self.params)
                         self._dispatch(engine, Job(best, "best", (), state.step, state.epoch, reason), done, fitting)
                         self.fence.release()
             except Exception as exc:
