@@ -194,12 +194,9 @@ class Checkpoint(Callback):
                 "training process group, which a background thread cannot do; use async_mode='disabled'"
             )
         self.saver = Saver(
-            self.store,
-            backend,
-            keep_latest_k=config.keep_latest_k,
-            barrier_timeout=config.barrier_timeout,
-            params=config.params,
+            self.store, backend, keep_latest_k=config.keep_latest_k, barrier_timeout=config.barrier_timeout
         )
+        self.saver.params = config.params
         self.saver.sweep()
 
     def on_setup(self, engine: Engine) -> None:

@@ -78,6 +78,12 @@ class BestWeights(Protocol):
     def swapped(self, engine: Engine) -> AbstractContextManager[Any]: ...
 
 
+def _payload(engine: Engine, store: CheckpointStore, params: str) -> dict[str, Any]:
+    """What a save writes: the model and optimizers left to a store that saves them itself; `params`
+    ("all", or "trainable": `cadence.checkpoint.params`) chosen by the `Checkpoint` callback (`Saver.params`)."""
+    return build_payload(engine, model=not store.restores_model, params=params)
+
+
 class Saver:
     """Writes, names and prunes the `Checkpoint` callback's saves (see the module docstring).
 
@@ -85,20 +91,13 @@ class Saver:
         store: the store, at its folder.
         backend: the engine's backend (ranks, the status exchange, `writes_checkpoint`).
         keep_latest_k: history snapshots (`ckpt-*`) kept after each one saved; 0 keeps all.
-        params: `"all"`, or `"trainable"`: the model's trainable parameters only (`cadence.checkpoint.params`).
         barrier_timeout: seconds the other ranks wait for the main process's sync save.
     """
 
     def __init__(
-        self,
-        store: CheckpointStore,
-        backend: Any,
-        *,
-        keep_latest_k: int = 0,
-        barrier_timeout: float = 1800.0,
-        params: str = "all",
+        self, store: CheckpointStore, backend: Any, *, keep_latest_k: int = 0, barrier_timeout: float = 1800.0
     ) -> None:
-        self.store, self.backend, self.params = store, backend, params
+        self.store, self.backend, self.params = store, backend, "all"
         self.keep_latest_k, self.barrier_timeout = keep_latest_k, barrier_timeout
         self.main = bool(backend.is_main)
         self.collective = store.collective and backend.world_size > 1  # a collective store on more than one rank
@@ -195,17 +194,13 @@ class Saver:
                 # Decided at each save: under TorchFT the writing replica group can change.
                 full = backend.writes_checkpoint
                 if latest or links:
-                    payload = (
-                        build_payload(engine, model=not self.store.restores_model, params=self.params)
-                        if latest
-                        else None
-                    )
+                    payload = _payload(engine, self.store, self.params) if latest else None
                     job = Job(payload, "latest" if latest else None, links, state.step, state.epoch, reason, full=full)
                     self._dispatch(engine, job, done, fitting)
                 if best_weights is not None and full:
                     self.fence.release()  # the swaps write the parameters: after their copies
                     with best_weights.swapped(engine):  # `best` holds those weights; written before they go back
-                        best = build_payload(engine, model=not self.store.restores_model, params=self.params)
+                        best = _payload(engine, self.store, self.params)
                         self._dispatch(engine, Job(best, "best", (), state.step, state.epoch, reason), done, fitting)
                         self.fence.release()
             except Exception as exc:
