@@ -112,3 +112,18 @@ def test_two_ranks_resume_an_adapter_only_checkpoint_bitwise(tmp_path: Path, bac
     assert saved["meta"]["params"] == "trainable"
     assert not any(key.startswith("inp.") for key in saved["model"])
     assert any(key.startswith("head.") for key in saved["model"])
+
+
+def test_export_params_trainable_writes_the_adapter_alone(tmp_path: Path) -> None:
+    from cadence.checkpoint.export import export_checkpoint, read_export
+    from tests.callbacks.test_checkpoint import make
+
+    engine, _ = make(tmp_path / "run", checkpoint={})
+    engine.model[0].requires_grad_(False)
+    with engine:
+        engine.fit(steps=2)  # a full checkpoint: every key, with the trainable ones recorded
+        head = {k: v.clone() for k, v in engine.model.state_dict().items() if k.startswith("2.")}
+    out = tmp_path / "adapter.safetensors"
+    export_checkpoint(tmp_path / "run" / "latest", out, to="safetensors", params="trainable")
+    back = read_export(out)["model"]
+    assert set(back) == set(head) and all(torch.equal(back[k], v) for k, v in head.items())

@@ -178,3 +178,30 @@ def test_the_lm_examples_mapping_names_every_weight_of_a_dense_decoder(tmp_path:
     assert [mapping.from_hf(n) for n in names] == keys
     config = mapping.hf_config({"config": {"run": {"model": {"dim": 16, "n_layers": 2}}}})
     assert config["hidden_size"] == 16 and config["num_hidden_layers"] == 2
+
+
+def test_a_dcp_export_with_the_optimizer_resumes_bitwise(sources: dict, tmp_path: Path) -> None:
+    """The exported DCP checkpoint is a whole Cadence checkpoint: `from_checkpoint` restores weights and optimizer."""
+    from cadence.callbacks import Checkpoint
+    from cadence.checkpoint import from_checkpoint
+    from tests.conftest import tiny_dataset, tiny_model
+
+    checkpoint, weights = sources["file"]
+    export_checkpoint(checkpoint, tmp_path / "dcp" / "latest", to="dcp", with_optimizer=True)
+    model = tiny_model()
+    engine = from_checkpoint(
+        tmp_path / "dcp" / "latest",
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.05),
+        tiny_dataset(),
+        loss_fn=torch.nn.functional.cross_entropy,
+        callbacks=[Checkpoint(dir=str(tmp_path / "next"), interval=0)],  # the saved run had one (its state)
+        seed=0,
+        train={"batch_size": 8},
+        device="cpu",
+    )
+    with engine:
+        assert engine.state.step == 3
+        assert same(engine.model.state_dict(), weights)
+        saved = read_source(checkpoint).payload["optimizers"][0]["state"]
+        assert same(engine.optimizers[0].state_dict()["state"], saved)

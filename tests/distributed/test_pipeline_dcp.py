@@ -92,6 +92,10 @@ def through_cadence(directory: str) -> dict:
     with engine:
         engine.evaluate(tiny_dataset(8))  # the first run applies the launch mode
         resumed["pretrained"] = named(engine.model)
+    from cadence.checkpoint.export import export_checkpoint, read_export
+
+    export_checkpoint(latest, Path(directory) / "pp.safetensors", to="safetensors")  # every stage's keys
+    resumed["exported"] = read_export(Path(directory) / "pp.safetensors")["model"]
     return resumed
 
 
@@ -108,4 +112,5 @@ def test_pipeline_resumes_bitwise_through_the_dcp_store_and_loads_into_the_whole
     for name, value in got["final"].items():
         assert torch.equal(one["params"][name], value), name
         assert torch.equal(one["pretrained"][name], value), name
+        assert torch.equal(one["exported"][name], value), name
         assert torch.equal(one["moments"][name], got["moments"][name]), name
