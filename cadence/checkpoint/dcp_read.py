@@ -90,13 +90,14 @@ def skeleton(
     """
     step = manifest.get("step")
     files = manifest["files"]
-    others = sorted(f for f in files if f.startswith("objects-") and f != objects_file(rank))
+    per_rank = sorted(f for f in files if f.startswith("objects-"))
     out = _load_objects(folder, OBJECTS, step)
     if objects_file(rank) in files:
         out.update(_load_objects(folder, objects_file(rank), step))
     model = out.get("model")
-    if not others or not isinstance(model, dict):
+    if not per_rank or not isinstance(model, dict):
         return out
+    others = [OBJECTS, *(f for f in per_rank if f != objects_file(rank))]  # the main rank's too: ours replaced it
     wanted = None
     if template is not None:
         live = template.get("model")

@@ -57,3 +57,12 @@ def select(engine: Engine, model_state: Mapping[str, Any], params: str) -> dict[
         raise ValueError(f"params={params!r}: expected one of {PARAMS}")
     keep = set(trainable_keys(engine, model_state))
     return {k: v for k, v in model_state.items() if k in keep}
+
+
+def recorded(engine: Engine, keys: Iterable[str]) -> list[str] | None:
+    """`trainable_keys` for the record in every payload's meta; None where a wrapper hides the names (a full
+    save never fails over the record)."""
+    try:
+        return trainable_keys(engine, keys)
+    except ValueError:
+        return None

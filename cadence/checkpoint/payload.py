@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from cadence.checkpoint.params import select, trainable_keys
+from cadence.checkpoint.params import recorded, select
 from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError
 from cadence.engine.events import Event
 from cadence.engine.state import State, capture_rng, restore_rng
@@ -87,7 +87,7 @@ def build_payload(engine: Engine, *, model: bool = True, params: str = "all") ->
             "backend": backend.name,
             "time": time.time(),
             "params": params,
-            "trainable": trainable_keys(engine, weights),
+            "trainable": recorded(engine, weights),
         },
         "engine": state,
         "model": select(engine, weights, params) if model else {},

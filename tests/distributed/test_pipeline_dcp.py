@@ -99,6 +99,15 @@ def through_cadence(directory: str) -> dict:
     return resumed
 
 
+def into_fsdp(directory: str) -> dict:
+    """Two ranks of FSDP2 (another layout): the pipeline's weights as `pretrained=`, each rank its shards."""
+    loader = Checkpoint(dir=str(Path(directory) / "fsdp"), pretrained=str(Path(directory) / "latest"), interval=0)
+    with make_engine(Net(seed=8), MeshBackend(shard=2, timeout=30, device="cpu"), [loader]) as engine:
+        engine.fit(steps=0)  # the launch mode applies at setup
+        state = engine.backend.model_state_dict(engine)
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state.items()}
+
+
 def test_pipeline_resumes_bitwise_through_the_dcp_store_and_loads_into_the_whole_model(tmp_path: Path) -> None:
     got = launch(run, str(tmp_path), nprocs=2, start_method="fork", timeout=100)
     assert got["equal"] == [True, True]
@@ -114,3 +123,5 @@ def test_pipeline_resumes_bitwise_through_the_dcp_store_and_loads_into_the_whole
         assert torch.equal(one["pretrained"][name], value), name
         assert torch.equal(one["exported"][name], value), name
         assert torch.equal(one["moments"][name], got["moments"][name]), name
+    sharded = launch(into_fsdp, str(tmp_path), nprocs=2, start_method="fork", timeout=100)
+    assert all(torch.equal(sharded[name], value) for name, value in got["final"].items())
