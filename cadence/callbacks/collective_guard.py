@@ -97,8 +97,8 @@ class CollectiveGuard(Callback):
         self.active = engine.backend.world_size > 1 and dist.is_available() and dist.is_initialized()
         if not self.active:
             return
-        engine.requests.register(HASH)
-        engine.requests.register(COMPLEMENT)
+        engine.requests.register(HASH, decision=False)
+        engine.requests.register(COMPLEMENT, decision=False)
         self.label = f"the start of the fit (before step {engine.state.step + 1})"
         self.reset()
         self.install()

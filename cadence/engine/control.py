@@ -51,20 +51,31 @@ class Requests:
         # nothing agreed, a single process has nothing to do at agreement.
         self.any_agreed = False
         self.reasons: dict[str, str] = {}
+        self.checks: set[int] = set()  # slots registered with decision=False
         # True between an overlapped agreement's start and its end.
         self.in_step = False
         # True during a fit on several ranks that agrees nothing per step (no
         # registered callback raises requests): a request would never be agreed.
         self.closed = False
 
-    def register(self, name: str) -> int:
-        """Add a request kind (idempotent); returns its slot."""
+    def register(self, name: str, *, decision: bool = True) -> int:
+        """Add a request kind (idempotent); returns its slot.
+
+        `decision=False`: the slot carries a value every rank compares, not a
+        decision (`CollectiveGuard`'s hash); `decisions()` leaves it out.
+        """
         if name not in self.index:
             self.index[name] = len(self.names)
             self.names.append(name)
             self.pending.append(0)
             self.agreed.append(0)
+        if not decision:
+            self.checks.add(self.index[name])
         return self.index[name]
+
+    def decisions(self) -> tuple[int, ...]:
+        """The agreed values of the decision slots (what the ranks decided, the same at any world size)."""
+        return tuple(value for slot, value in enumerate(self.agreed) if slot not in self.checks)
 
     def request(self, name: str, value: int = 1, reason: str | None = None) -> None:
         try:

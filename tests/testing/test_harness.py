@@ -44,6 +44,7 @@ BUILTINS = {
     "heartbeat": {"name": "heartbeat", "interval": 0.05, "timeout": 60.0},
     "preemption": {"name": "preemption"},
     "time_budget": {"name": "time_budget", "max_time": "01:00:00"},
+    "collective_guard": {"name": "collective_guard"},
     "train_metrics": {"name": "train_metrics"},
     "progress_bar": {"name": "progress_bar"},
     "tensorboard": {"name": "tensorboard", "flush_secs": 1},
