@@ -41,7 +41,8 @@ from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError
 
 #: The client-state key Cadence's payload travels under in DeepSpeed's model-states file.
 CLIENT_KEY = "cadence"
-ALGORITHM = "xxh3_64"
+ALGORITHM = file_io.ALGORITHM  # as every store's manifest; "xxh3_64" in manifests of earlier versions
+_ALGORITHMS = (ALGORITHM, "xxh3_64")
 _CHUNK = 8 << 20
 _UNIVERSAL = (
     "convert it with DeepSpeed's universal checkpoint conversion (python -m deepspeed.checkpoint.ds_to_universal "
@@ -70,11 +71,6 @@ def file_checksum(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def manifest_checksum(manifest: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != "manifest_xxh3"}
-    return _xxhash().xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
-
-
 class DeepSpeedStore(FolderStore):
     """Checkpoints written and read by DeepSpeed's engine on every rank (see the module docstring).
 
@@ -98,6 +94,11 @@ class DeepSpeedStore(FolderStore):
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, backend: Any, durable: bool = True) -> None:
         super().__init__(directory, durable=durable)
         self.backend = backend
+
+    @classmethod
+    def offline(cls) -> DeepSpeedStore:
+        """Without a DeepSpeed engine: `read` returns the payload with the module weights as saved (no optimizer)."""
+        return cls(backend=None)
 
     def _looks_like_data(self, filename: str) -> bool:
         return filename in ("client_state.pt", "zero_to_fp32.py") or filename.startswith("mp_rank_")
@@ -139,8 +140,9 @@ class DeepSpeedStore(FolderStore):
         manifest: dict[str, Any] = {}
         if self._main:
             try:
-                manifest = self._manifest_for(tmp, meta, payload)
-                file_io.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), self.durable)
+                raw = file_io.manifest_bytes(self._manifest_for(tmp, meta, payload))  # every store's format
+                file_io.write_bytes(tmp / MANIFEST, raw, self.durable)
+                manifest = json.loads(raw)
                 if self.durable:
                     for path in tmp.rglob("*"):
                         if path.is_file():
@@ -171,7 +173,6 @@ class DeepSpeedStore(FolderStore):
             "precision": self.backend.precision_name,
             "files": files,
         }
-        manifest["manifest_xxh3"] = manifest_checksum(manifest)
         return manifest
 
     def barrier(self) -> None:
@@ -203,8 +204,7 @@ class DeepSpeedStore(FolderStore):
             raise CheckpointError(
                 "manifest.json is unreadable or not a manifest of a DeepSpeed checkpoint of Cadence", path=folder
             )
-        if manifest.get("manifest_xxh3") != manifest_checksum(manifest):
-            raise CheckpointError("manifest.json fails its own checksum: the file is damaged", path=folder)
+        super()._check_manifest(folder, raw, manifest)
 
     def verify(self, name: str) -> dict[str, Any]:
         """Check every file's size, then its XXH3-64 checksum, against the manifest (reads everything)."""
@@ -213,7 +213,7 @@ class DeepSpeedStore(FolderStore):
         self._check_sizes(folder, manifest, manifest["files"])
         for file, entry in manifest["files"].items():
             value = file_checksum(folder / file)
-            if entry.get("algorithm") != ALGORITHM or value != entry["checksum"]:
+            if entry.get("algorithm") not in _ALGORITHMS or value != entry["checksum"]:
                 raise CheckpointError(
                     f"{file}: checksum mismatch (computed {value}, the manifest says {entry['checksum']}): the file is "
                     "corrupted; use another checkpoint",
@@ -230,6 +230,8 @@ class DeepSpeedStore(FolderStore):
         without "model": the payload alone, the engine untouched.
         """
         wanted = None if keys is None else set(keys)
+        if self.backend is None:
+            return self._read_offline(name, wanted)
         module_only = wanted is not None and wanted <= {"model"}
         touches_engine = wanted is None or "model" in wanted or "optimizers" in wanted
         manifest: dict[str, Any] | None = None
@@ -288,6 +290,26 @@ class DeepSpeedStore(FolderStore):
             payload = {k: v for k, v in payload.items() if k in keep}
         return payload
 
+    def _read_offline(self, name: str, wanted: set[str] | None) -> dict[str, Any]:
+        """The payload of `name`, verified, with the module weights as saved (an `offline` store: no engine)."""
+        import torch
+
+        manifest = self.verify(name)
+        folder = self.path(name)
+        client = self._client_state(folder, manifest)
+        if not isinstance(client, Mapping):
+            raise CheckpointError("it holds no Cadence payload in its client state", path=folder, step=manifest["step"])
+        payload = dict(client)
+        if wanted is None or "model" in wanted:
+            if manifest.get("zero_stage") == 3:  # partitions only: DeepSpeed rebuilds the whole weights
+                payload["model"] = self._full_weights(folder, manifest)
+            else:
+                file = folder / "mp_rank_00_model_states.pt"
+                payload["model"] = dict(torch.load(file, map_location="cpu", weights_only=False)["module"])
+        if wanted is not None:
+            payload = {k: v for k, v in payload.items() if k in wanted | {"format", "version", "meta"}}
+        return payload
+
     def _check_fits(self, name: str, manifest: Mapping[str, Any], module_only: bool) -> None:
         """Cadence's own error for what DeepSpeed cannot load: a changed ZeRO stage or data-parallel degree."""
         backend, folder, step = self.backend, self.path(name), manifest.get("step")
@@ -330,7 +352,8 @@ class DeepSpeedStore(FolderStore):
     def _client_state(self, folder: Path, manifest: Mapping[str, Any]) -> Any:
         import torch
 
-        rank = min(self.backend.data_rank, int(manifest.get("data_size") or 1) - 1)
+        own = 0 if self.backend is None else self.backend.data_rank
+        rank = min(own, int(manifest.get("data_size") or 1) - 1)
         file = (
             f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
             if manifest.get("zero_stage") == 3

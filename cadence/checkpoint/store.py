@@ -148,6 +148,17 @@ class CheckpointStore(abc.ABC):
         """
         return None
 
+    @classmethod
+    def offline(cls) -> CheckpointStore:
+        """A store of this kind that checks and reads its checkpoints in one process, without an engine.
+
+        For tools that look at a checkpoint outside a run (`cadence inspect`):
+        `locate`, `manifest`, `verify` and `read` work without a process group
+        or a backend; `read` returns the payload as saved (tensors whole, on
+        the CPU).
+        """
+        return cls()
+
     def path(self, name: str) -> Path:
         if self.directory is None:
             raise ValueError(f"{type(self).__name__} has no directory: use store.at(directory)")
