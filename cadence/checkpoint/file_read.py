@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from cadence.checkpoint.direct_io import ALIGN, LINUX, O_DIRECT, Prefault, aligned_empty, cached_fraction
 from cadence.checkpoint.file_io import CHUNK, Checksum, _flat_bytes, memory
@@ -258,17 +257,6 @@ def _read_stream(reader: _Reader, entry: Entry, scratch: torch.Tensor, feed: _In
         skip = offset + piece - start
         reader.read(scratch[: -(-(skip + length) // ALIGN) * ALIGN], start, skip + length)
         feed(offset + piece, scratch[skip : skip + length])
-
-
-def file_digest(path: Path) -> int:
-    """XXH3-64 of every byte of a file, padding included, read in chunks (`FileStore.verify`)."""
-    digest = xxhash.xxh3_64()
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.intdigest()
 
 
 def _typed(flat: torch.Tensor, dtype: str, shape: Any) -> torch.Tensor:
