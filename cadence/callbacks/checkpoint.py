@@ -206,6 +206,11 @@ class Checkpoint(Callback):
             load_pretrained_weights(
                 engine, self.store, config.pretrained, exclude=config.pretrained_exclude, strict=config.strict
             )
+        restored = engine.restored_from
+        if restored is not None and Path(restored).absolute() == self.store.path("latest").absolute():
+            # The state is this folder's `latest` already: a fit that trains nothing does not write it
+            # again (a TorchFT group restored at the job's step would replace the writer's checkpoint).
+            self._last_key = self._key(engine)
 
     # -- when to save ---------------------------------------------------------------------
 
@@ -312,9 +317,9 @@ class Checkpoint(Callback):
 
     def _save(self, engine: Engine, *, history: str | None = None, best: bool = False, reason: str) -> None:
         """Which names this save gives (`latest` when the state is new, history, best), then one call to the saver."""
-        state, saver = engine.state, self.saver
+        saver = self.saver
         assert saver is not None
-        key = (state.step, state.epoch, state.batch_in_epoch, self._evaluations)
+        key = self._key(engine)
         averaged = _best_weights(engine) if best else None  # `best` then holds those weights: a save of its own
         links = tuple(n for n in (history, "best" if best and averaged is None else None) if n)
         fresh = key != self._last_key  # a save at the same state only adds names to `latest`
@@ -327,6 +332,11 @@ class Checkpoint(Callback):
         if best:
             self._best_due = False
         self._report(engine, (saved, None))
+
+    def _key(self, engine: Engine) -> tuple[int, int, int, int]:
+        """What tells a new state from the one last saved (or restored from `latest`)."""
+        state = engine.state
+        return (state.step, state.epoch, state.batch_in_epoch, self._evaluations)
 
     def _report(self, engine: Engine, collected: Collected) -> None:
         """Fire `on_save` for each committed save, in order; then raise the saver's error, if any."""
