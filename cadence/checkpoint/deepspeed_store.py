@@ -95,11 +95,6 @@ class DeepSpeedStore(FolderStore):
         super().__init__(directory, durable=durable)
         self.backend = backend
 
-    @classmethod
-    def offline(cls) -> DeepSpeedStore:
-        """Without a DeepSpeed engine: `read` returns the payload with the module weights as saved (no optimizer)."""
-        return cls(backend=None)
-
     def _looks_like_data(self, filename: str) -> bool:
         return filename in ("client_state.pt", "zero_to_fp32.py") or filename.startswith("mp_rank_")
 
@@ -136,7 +131,10 @@ class DeepSpeedStore(FolderStore):
                 error = exc
         self._agree_on_error(error, f"preparing {tmp}", step)
         client = {CLIENT_KEY: {k: v for k, v in payload.items() if k not in ("model", "optimizers")}}
-        backend.ds.save_checkpoint(str(directory), tag=tag, client_state=client, save_latest=False)
+        adapter = meta.get("params") == "trainable"  # Checkpoint(params="trainable"): frozen weights left out
+        backend.ds.save_checkpoint(
+            str(directory), tag=tag, client_state=client, save_latest=False, exclude_frozen_parameters=adapter
+        )
         manifest: dict[str, Any] = {}
         if self._main:
             try:
@@ -171,6 +169,7 @@ class DeepSpeedStore(FolderStore):
             "data_size": self.backend.data_size,
             "world_size": self.backend.world_size,
             "precision": self.backend.precision_name,
+            "params": meta.get("params", "all"),
             "files": files,
         }
         return manifest
@@ -230,8 +229,6 @@ class DeepSpeedStore(FolderStore):
         without "model": the payload alone, the engine untouched.
         """
         wanted = None if keys is None else set(keys)
-        if self.backend is None:
-            return self._read_offline(name, wanted)
         module_only = wanted is not None and wanted <= {"model"}
         touches_engine = wanted is None or "model" in wanted or "optimizers" in wanted
         manifest: dict[str, Any] | None = None
@@ -269,6 +266,7 @@ class DeepSpeedStore(FolderStore):
                 path, states = ds.load_checkpoint(
                     str(self._folder()),
                     tag=name,
+                    load_module_strict=manifest.get("params", "all") != "trainable",
                     load_module_only=module_only,
                     load_optimizer_states=not module_only,
                     load_lr_scheduler_states=False,
@@ -290,25 +288,21 @@ class DeepSpeedStore(FolderStore):
             payload = {k: v for k, v in payload.items() if k in keep}
         return payload
 
-    def _read_offline(self, name: str, wanted: set[str] | None) -> dict[str, Any]:
-        """The payload of `name`, verified, with the module weights as saved (an `offline` store: no engine)."""
-        import torch
+    @classmethod
+    def for_reading(cls) -> DeepSpeedStore:
+        """A store for `manifest`, `verify` and `read_whole` without a DeepSpeed engine."""
+        return cls(backend=None)
 
-        manifest = self.verify(name)
+    def read_whole(self, name: str) -> dict[str, Any]:
+        """Without an engine: the payload with the whole module weights (ZeRO's fp32 masters); no optimizer state."""
+        manifest = self.manifest(name)
         folder = self.path(name)
-        client = self._client_state(folder, manifest)
+        client = self._client_state(folder, manifest, rank=0)
         if not isinstance(client, Mapping):
-            raise CheckpointError("it holds no Cadence payload in its client state", path=folder, step=manifest["step"])
-        payload = dict(client)
-        if wanted is None or "model" in wanted:
-            if manifest.get("zero_stage") == 3:  # partitions only: DeepSpeed rebuilds the whole weights
-                payload["model"] = self._full_weights(folder, manifest)
-            else:
-                file = folder / "mp_rank_00_model_states.pt"
-                payload["model"] = dict(torch.load(file, map_location="cpu", weights_only=False)["module"])
-        if wanted is not None:
-            payload = {k: v for k, v in payload.items() if k in wanted | {"format", "version", "meta"}}
-        return payload
+            raise CheckpointError(
+                "it holds no Cadence payload in its client state", path=folder, step=manifest.get("step")
+            )
+        return {**client, "model": self._full_weights(folder, manifest), "optimizers": []}
 
     def _check_fits(self, name: str, manifest: Mapping[str, Any], module_only: bool) -> None:
         """Cadence's own error for what DeepSpeed cannot load: a changed ZeRO stage or data-parallel degree."""
@@ -349,11 +343,10 @@ class DeepSpeedStore(FolderStore):
                 step=manifest.get("step"),
             ) from exc
 
-    def _client_state(self, folder: Path, manifest: Mapping[str, Any]) -> Any:
+    def _client_state(self, folder: Path, manifest: Mapping[str, Any], rank: int | None = None) -> Any:
         import torch
 
-        own = 0 if self.backend is None else self.backend.data_rank
-        rank = min(own, int(manifest.get("data_size") or 1) - 1)
+        rank = min(self.backend.data_rank if rank is None else rank, int(manifest.get("data_size") or 1) - 1)
         file = (
             f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
             if manifest.get("zero_stage") == 3

@@ -45,7 +45,7 @@ def inspect_checkpoint(args: argparse.Namespace) -> int:
         f"manifest    ok: {len(files)} files, {human_size(total)}, {store.kind} store: every byte of every file "
         f"checked, sizes and XXH3-64 checksums match (created {manifest.get('created')})"
     )
-    payload = store.read(name)
+    payload = store.read_whole(name)
     print("\n".join(_describe(payload)))
     return 0
 
@@ -68,14 +68,14 @@ def _locate(target: Path) -> tuple[Any, str]:
                     f"the manifest names an unknown store {kind!r} (known: {', '.join(STORES)})", path=target
                 )
             )
-        return found.offline().locate(target)
+        return found.for_reading().locate(target)
     # No readable manifest: a folder of some store's files without it is a damaged checkpoint (1), else a wrong path (2).
     usage: CheckpointError | None = None
     for each in STORES:  # "file" first: its message for a folder that is no checkpoint
         cls = store_class(each)
         assert cls is not None
         try:
-            return cls.offline().locate(target)
+            return cls.for_reading().locate(target)
         except CheckpointError as exc:
             if exc.reason == getattr(cls, "NO_MANIFEST", None):  # a folder store's files, no manifest
                 raise _Damaged(exc) from None
