@@ -207,6 +207,7 @@ class Checkpoint(Callback):
                 "checkpoint: state already restored from %s; resume/auto_resume/pretrained not applied",
                 engine.restored_from,
             )
+            self._saved_if_latest(engine)
             return
         base_first = config.params == "trainable" and bool(config.pretrained) and (config.resume or config.auto_resume)
         if base_first:
@@ -217,6 +218,14 @@ class Checkpoint(Callback):
             pass  # this run's latest was restored: a pretrained model does not apply
         elif config.pretrained and not base_first:
             self._load_pretrained(engine)
+        self._saved_if_latest(engine)
+
+    def _saved_if_latest(self, engine: Engine) -> None:
+        restored = engine.restored_from
+        if restored is not None and Path(restored).absolute() == self.store.path("latest").absolute():
+            # The state is this folder's `latest` already: a fit that trains nothing does not write it
+            # again (a TorchFT group restored at the job's step would replace the writer's checkpoint).
+            self._last_key = self._key(engine)
 
     def _load_pretrained(self, engine: Engine) -> None:
         config = self.config
@@ -334,9 +343,9 @@ class Checkpoint(Callback):
 
     def _save(self, engine: Engine, *, history: str | None = None, best: bool = False, reason: str) -> None:
         """Which names this save gives (`latest` when the state is new, history, best), then one call to the saver."""
-        state, saver = engine.state, self.saver
+        saver = self.saver
         assert saver is not None
-        key = (state.step, state.epoch, state.batch_in_epoch, self._evaluations)
+        key = self._key(engine)
         averaged = _best_weights(engine) if best else None  # `best` then holds those weights: a save of its own
         links = tuple(n for n in (history, "best" if best and averaged is None else None) if n)
         fresh = key != self._last_key  # a save at the same state only adds names to `latest`
@@ -349,6 +358,11 @@ class Checkpoint(Callback):
         if best:
             self._best_due = False
         self._report(engine, (saved, None))
+
+    def _key(self, engine: Engine) -> tuple[int, int, int, int]:
+        """What tells a new state from the one last saved (or restored from `latest`)."""
+        state = engine.state
+        return (state.step, state.epoch, state.batch_in_epoch, self._evaluations)
 
     def _report(self, engine: Engine, collected: Collected) -> None:
         """Fire `on_save` for each committed save, in order; then raise the saver's error, if any."""

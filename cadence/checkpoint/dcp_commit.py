@@ -22,7 +22,6 @@ from typing import Any
 
 import attrs
 import torch
-import xxhash
 
 from cadence.checkpoint import dcp_io, file_io
 from cadence.checkpoint.folders import MANIFEST
@@ -31,7 +30,6 @@ from cadence.checkpoint.store import FORMAT, CheckpointError
 METADATA = ".metadata"
 OBJECTS = "objects.pt"
 STORE = "dcp"
-MANIFEST_KEY = "manifest_xxh3_64"
 
 
 @attrs.define
@@ -125,18 +123,12 @@ def finish(prepared: Prepared, durable: bool, commit: Callable[[Path, Path], Non
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": files,
     }
-    manifest[MANIFEST_KEY] = manifest_digest(manifest)
-    file_io.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), durable)
+    raw = file_io.manifest_bytes(manifest)  # the one manifest format of every store
+    file_io.write_bytes(tmp / MANIFEST, raw, durable)
     if durable:
         file_io.fsync_dir(tmp)
     commit(tmp, prepared.final)
-    return manifest
-
-
-def manifest_digest(manifest: Mapping[str, Any]) -> str:
-    """The manifest's own checksum: XXH3-64 of its canonical JSON without the `MANIFEST_KEY` field."""
-    body = {k: v for k, v in manifest.items() if k != MANIFEST_KEY}
-    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return dict(json.loads(raw))
 
 
 def objects_file(rank: int) -> str:

@@ -310,6 +310,7 @@ class DCPStore(FolderStore, AsyncCheckpointStore):
     # -- reading --------------------------------------------------------------------------------
 
     def _check_manifest(self, folder: Path, raw: bytes, manifest: dict[str, Any]) -> None:
+        super()._check_manifest(folder, raw, manifest)
         dcp_read.check_manifest(folder, manifest)
 
     def _unverified_step(self, folder: Path) -> int | None:

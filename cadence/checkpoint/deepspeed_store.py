@@ -41,7 +41,8 @@ from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError
 
 #: The client-state key Cadence's payload travels under in DeepSpeed's model-states file.
 CLIENT_KEY = "cadence"
-ALGORITHM = "xxh3_64"
+ALGORITHM = file_io.ALGORITHM  # as every store's manifest; "xxh3_64" in manifests of earlier versions
+_ALGORITHMS = (ALGORITHM, "xxh3_64")
 _CHUNK = 8 << 20
 _UNIVERSAL = (
     "convert it with DeepSpeed's universal checkpoint conversion (python -m deepspeed.checkpoint.ds_to_universal "
@@ -68,11 +69,6 @@ def file_checksum(path: str | os.PathLike[str]) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def manifest_checksum(manifest: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != "manifest_xxh3"}
-    return _xxhash().xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
 
 
 class DeepSpeedStore(FolderStore):
@@ -142,8 +138,9 @@ class DeepSpeedStore(FolderStore):
         manifest: dict[str, Any] = {}
         if self._main:
             try:
-                manifest = self._manifest_for(tmp, meta, payload)
-                file_io.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), self.durable)
+                raw = file_io.manifest_bytes(self._manifest_for(tmp, meta, payload))  # every store's format
+                file_io.write_bytes(tmp / MANIFEST, raw, self.durable)
+                manifest = json.loads(raw)
                 if self.durable:
                     for path in tmp.rglob("*"):
                         if path.is_file():
@@ -175,7 +172,6 @@ class DeepSpeedStore(FolderStore):
             "params": meta.get("params", "all"),
             "files": files,
         }
-        manifest["manifest_xxh3"] = manifest_checksum(manifest)
         return manifest
 
     def barrier(self) -> None:
@@ -207,8 +203,7 @@ class DeepSpeedStore(FolderStore):
             raise CheckpointError(
                 "manifest.json is unreadable or not a manifest of a DeepSpeed checkpoint of Cadence", path=folder
             )
-        if manifest.get("manifest_xxh3") != manifest_checksum(manifest):
-            raise CheckpointError("manifest.json fails its own checksum: the file is damaged", path=folder)
+        super()._check_manifest(folder, raw, manifest)
 
     def verify(self, name: str) -> dict[str, Any]:
         """Check every file's size, then its XXH3-64 checksum, against the manifest (reads everything)."""
@@ -217,7 +212,7 @@ class DeepSpeedStore(FolderStore):
         self._check_sizes(folder, manifest, manifest["files"])
         for file, entry in manifest["files"].items():
             value = file_checksum(folder / file)
-            if entry.get("algorithm") != ALGORITHM or value != entry["checksum"]:
+            if entry.get("algorithm") not in _ALGORITHMS or value != entry["checksum"]:
                 raise CheckpointError(
                     f"{file}: checksum mismatch (computed {value}, the manifest says {entry['checksum']}): the file is "
                     "corrupted; use another checkpoint",

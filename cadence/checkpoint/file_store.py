@@ -14,7 +14,9 @@ step (`renameat2(RENAME_EXCHANGE)` on Linux when the name exists, a plain
 rename otherwise) and the old one is removed. `best` and history snapshots
 are folders of hard links to the files (copies where links fail). Reads check
 sizes first (truncation), then checksums (XXH3-64 of each file, computed as
-the bytes arrive), and load `payload.pt` with `torch.load(weights_only=True)`.
+the bytes arrive; the zero padding between tensors, never read, as the zeros
+written), and load `payload.pt` with `torch.load(weights_only=True)`; `verify`
+also checks that padding, so every byte of every file is checked.
 The manifest's last field is the XXH3-64 of every byte before it. The
 byte-level work is in `cadence.checkpoint.file_io`.
 """
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 
 from cadence.checkpoint import file_io, file_read
-from cadence.checkpoint.folders import MANIFEST, FolderStore, claimed_step
+from cadence.checkpoint.folders import MANIFEST, FolderStore
 from cadence.checkpoint.store import FORMAT, CheckpointError
 
 PAYLOAD = "payload.pt"
@@ -85,6 +87,7 @@ class FileStore(FolderStore):
             meta: Mapping[str, Any] = payload["meta"] if isinstance(payload.get("meta"), Mapping) else {}
             manifest = {
                 "format": FORMAT,
+                "store": self.kind,
                 "version": payload.get("version", 1),
                 "step": meta.get("step"),
                 "epoch": meta.get("epoch"),
@@ -110,21 +113,49 @@ class FileStore(FolderStore):
                 path=folder,
                 step=manifest.get("step"),
             )
-        if not file_io.check_manifest(raw):
-            raise CheckpointError(
-                f"{MANIFEST} fails its own checksum ({file_io.ALGORITHM}): the file is damaged{claimed_step(raw)}; "
-                "use another checkpoint",
-                path=folder,
-            )
+        super()._check_manifest(folder, raw, manifest)
+
+    def _unverified_step(self, folder: Path) -> int | None:
+        try:
+            step = torch.load(folder / PAYLOAD, weights_only=True, map_location="cpu")["tree"]["meta"]["step"]
+        except Exception:
+            return None
+        return step if isinstance(step, int) else None
 
     def verify(self, name: str) -> dict[str, Any]:
+        """Every byte of every file against the manifest: its size and the XXH3-64 of the whole file.
+
+        Stricter than `read`, which hashes the zero padding between tensors as the
+        zeros the writer wrote (it never reads them): a changed padding byte
+        loads the same tensors, but `verify` (and `cadence inspect`) reports it.
+        """
         return self._consistent(name, self._verify)
 
     def _verify(self, name: str) -> dict[str, Any]:
         manifest, folder, _, table = self._skeleton(name)
         self._check_sizes(folder, manifest, manifest["files"])
-        self._read_files(folder, manifest, table, [file for file in manifest["files"] if file != PAYLOAD], None)
+        files = [file for file in manifest["files"] if file != PAYLOAD]
+        self._read_files(folder, manifest, table, files, None)
+        for file in files:
+            self._check_padding(folder, manifest, table, file)
         return manifest
+
+    def _check_padding(self, folder: Path, manifest: dict[str, Any], table: list[Any], file: str) -> None:
+        """The bytes between tensors are the zeros the reads hash them as: the whole file's XXH3-64 is the manifest's."""
+        position = 0
+        with open(folder / file, "rb", buffering=0) as f:
+            for start, end in sorted((entry[1], entry[1] + entry[2]) for entry in table if entry[0] == file):
+                if start > position:  # at most 63 bytes before an aligned tensor
+                    f.seek(position)
+                    if f.read(start - position).strip(b"\0"):
+                        raise CheckpointError(
+                            f"{file}: checksum mismatch (the padding at bytes {position}-{start - 1} between two "
+                            f"tensors is not the zeros written; {file_io.ALGORITHM} of the file differs from the "
+                            "manifest's, though its tensors are intact): the file is damaged; use another checkpoint",
+                            path=folder,
+                            step=manifest.get("step"),
+                        )
+                position = max(position, end)
 
     def read(self, name: str, keys: Iterable[str] | None = None) -> dict[str, Any]:
         return self._consistent(name, lambda name: self._read(name, keys))

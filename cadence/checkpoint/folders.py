@@ -49,8 +49,8 @@ class FolderStore(CheckpointStore):
     """
 
     NO_MANIFEST: ClassVar[str] = (
-        "not a complete checkpoint: manifest.json is missing (an interrupted write or a damaged copy); "
-        "it is never loaded; use another checkpoint"
+        "not a complete checkpoint: manifest.json is missing (an interrupted write or a damaged copy; the step "
+        "is its files' own, unverified); it is never loaded; use another checkpoint"
     )
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, durable: bool = True) -> None:
@@ -119,7 +119,7 @@ class FolderStore(CheckpointStore):
         elif p.is_dir() and (p / "latest").is_dir():
             directory, name = p, "latest"
         elif p.is_dir() and any(self._looks_like_data(f.name) for f in p.iterdir()):
-            raise CheckpointError(self.NO_MANIFEST, path=p)
+            raise CheckpointError(self.NO_MANIFEST, path=p, step=self._unverified_step(p))
         else:
             raise CheckpointError(
                 "not a checkpoint: expected a checkpoint folder (with manifest.json) or a folder holding 'latest'",
@@ -157,10 +157,26 @@ class FolderStore(CheckpointStore):
         return manifest
 
     def _check_manifest(self, folder: Path, raw: bytes, manifest: dict[str, Any]) -> None:
-        """The store's checks of a readable cadence manifest (its own checksum, its kind...); raise `CheckpointError`."""
+        """The checks of a readable cadence manifest: its own checksum here, a store adds its own (its kind...).
+
+        Every store writes one manifest format (`file_io.manifest_bytes`: the
+        last field, `manifest_xxh3_64`, is the XXH3-64 of every byte before it).
+        Manifests of earlier DCP and DeepSpeed stores, checksummed over their
+        canonical JSON, are still accepted (`legacy_checksum_holds`).
+        """
+        if not (file_io.check_manifest(raw) or legacy_checksum_holds(manifest)):
+            raise CheckpointError(
+                f"{MANIFEST} fails its own checksum ({file_io.ALGORITHM}): the file is damaged{claimed_step(raw)}; "
+                "use another checkpoint",
+                path=folder,
+            )
 
     def _unverified_step(self, folder: Path) -> int | None:
-        """The step a folder without a manifest seems to hold, for the error message only (None: unknown)."""
+        """The step a folder without a manifest seems to hold, for the error message only (None: unknown).
+
+        Named alike whichever way the folder is met: `manifest` (auto-resume's
+        candidates) and `locate` (`resume=`, `from_checkpoint`, `cadence inspect`).
+        """
         return None
 
     def _check_sizes(self, folder: Path, manifest: dict[str, Any], files: Mapping[str, Any]) -> None:
@@ -246,6 +262,26 @@ class FolderStore(CheckpointStore):
     def wait(self) -> None:
         """Wait until superseded and deleted checkpoints are removed from the disk."""
         self._reaper.wait()
+
+
+def legacy_checksum_holds(manifest: Mapping[str, Any]) -> bool:
+    """Whether a manifest of an earlier DCP or DeepSpeed store holds its own checksum (over its canonical JSON).
+
+    The DCP store wrote `manifest_xxh3_64` over the compact sorted JSON of the
+    other fields, the DeepSpeed store `manifest_xxh3` over the sorted JSON with
+    default separators; both still load. New manifests are checked byte for byte
+    (`file_io.check_manifest`).
+    """
+    import xxhash
+
+    for key, separators in (("manifest_xxh3_64", (",", ":")), ("manifest_xxh3", (", ", ": "))):
+        value = manifest.get(key)
+        if isinstance(value, str) and manifest.get("store") in ("dcp", "deepspeed"):
+            body = {k: v for k, v in manifest.items() if k != key}
+            text = json.dumps(body, sort_keys=True, separators=separators).encode()
+            if xxhash.xxh3_64_hexdigest(text) == value:
+                return True
+    return False
 
 
 def claimed_step(raw: bytes) -> str:

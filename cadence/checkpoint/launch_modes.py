@@ -77,17 +77,18 @@ def locate(engine: Engine, store: CheckpointStore, path: str | os.PathLike[str])
                 return reader.at(at.path(name).parent), name
         return at, name
     found_at: tuple[str, str] | None = None
-    problem: str | None = None
+    problem: tuple[str, str | None, int | None] | None = None
     if backend.is_main:
         try:
             with store_errors("locating", path):
                 at, name = store.locate(path)
             found_at = (str(at.directory), name)
         except CheckpointError as exc:
-            problem = exc.reason
+            problem = (exc.reason, exc.path, exc.step)  # the step a folder without its manifest seems to hold
     found_at, problem = backend.broadcast_object((found_at, problem))
     if found_at is None:
-        raise CheckpointError(str(problem), path=path)
+        assert problem is not None
+        raise CheckpointError(problem[0], path=problem[1] or path, step=problem[2])
     return store.at(found_at[0]), found_at[1]
 
 

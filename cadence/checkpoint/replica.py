@@ -24,12 +24,19 @@ stages its own asynchronous saves (an `AsyncCheckpointStore`: DCP) the replica
 store is one too (`AsyncReplicaStore`, chosen by `ReplicaStore(inner, ...)`):
 its `write_async` goes through the inner store's, and the writing group's data
 state is written after the run's checkpoint is committed.
+
+A group's data states are committed in the order of its saves, as every store
+commits its checkpoints: an async save's data state, written after its run
+checkpoint commits, can come after a newer save's (written at once by a group
+that did not write that checkpoint); it is then dropped, never written over
+the newer one.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -70,6 +77,26 @@ def replica_payload(payload: Mapping[str, Any], replica_id: int) -> dict[str, An
         "data": dict(payload.get("data") or {}),
         "rng": rng,
     }
+
+
+class _DataStateOrder:
+    """Orders the writes of one replica group's data state by the saves they belong to (shared by `at()` copies).
+
+    Each save takes a ticket in the loop, in order; an async save writes its
+    data state after its run checkpoint commits, possibly after a newer save's
+    data state (a group that does not write the run's checkpoint writes its
+    data state at once): the older one is then dropped, never written over it.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.issued = 0
+        self.written = 0
+
+    def ticket(self) -> int:
+        with self.lock:
+            self.issued += 1
+            return self.issued
 
 
 class ReplicaStore(CheckpointStore):
@@ -117,6 +144,7 @@ class ReplicaStore(CheckpointStore):
         super().__init__(inner.directory)
         self.inner, self.replica_id, self.group_size = inner, replica_id, group_size
         self.main, self.positions, self.ft = main, positions, ft
+        self._order = _DataStateOrder()
         self.kind = inner.kind  # type: ignore[misc]
         self.collective = inner.collective  # type: ignore[misc]
         self.background_safe = inner.background_safe  # type: ignore[misc]
@@ -154,7 +182,21 @@ class ReplicaStore(CheckpointStore):
     def write_replica(self, name: str, payload: Mapping[str, Any]) -> None:
         """Write this group's data state (for `latest` only: a group's data state has one version; main rank only)."""
         if name == "latest" and self.main:
-            self._replica_store().write("latest", replica_payload(payload, self.replica_id))
+            self._write_state(self._order.ticket(), replica_payload(payload, self.replica_id))
+
+    def _write_state(self, ticket: int, state: Mapping[str, Any]) -> None:
+        """Commit the data state of the save that took `ticket`, unless a newer save's is already committed."""
+        order = self._order
+        with order.lock:
+            if ticket < order.written:
+                logger.info(
+                    "ft: replica group %d's data state of step %s is older than the one committed; not written",
+                    self.replica_id,
+                    state["meta"].get("step"),
+                )
+                return
+            self._replica_store().write("latest", state)
+            order.written = ticket
 
     def link(self, src: str, dst: str) -> None:
         self.inner.link(src, dst)
@@ -297,10 +339,12 @@ class AsyncReplicaStore(ReplicaStore, AsyncCheckpointStore):
         payload = self._with_manager(payload)
         if name != "latest":
             return write_async(name, payload, after_commit=after_commit)
+        ticket = self._order.ticket()  # taken in the loop: this save's place among the group's saves
 
         def committed(manifest: dict[str, Any]) -> None:
-            # On the inner store's main rank (DCP: group rank 0), in its commit thread.
-            self._replica_store().write("latest", state)
+            # On the inner store's main rank (DCP: group rank 0), in its commit thread, maybe after a
+            # newer save's data state (written at once by a group that did not write this checkpoint).
+            self._write_state(ticket, state)
             if after_commit is not None:
                 after_commit(manifest)
 

@@ -140,7 +140,10 @@ class CheckpointStore(abc.ABC):
 
     @classmethod
     def for_reading(cls) -> CheckpointStore:
-        """A store of this kind that reads without an engine (`manifest`, `verify`, `read_whole`; `cadence export`)."""
+        """A store of this kind that reads without an engine (`locate`, `manifest`, `verify`, `read_whole`).
+
+        For tools that look at a checkpoint outside a run: `cadence export`, `cadence inspect`.
+        """
         return cls()
 
     @classmethod

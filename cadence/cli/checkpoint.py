@@ -10,8 +10,12 @@ from cadence.cli.common import UsageError, human_size, table
 
 
 def inspect_checkpoint(args: argparse.Namespace) -> int:
-    """Print a checkpoint's manifest check and contents; 1 when it is damaged."""
-    from cadence.checkpoint.file_store import FileStore
+    """Print a checkpoint's manifest check and contents; 1 when it is damaged.
+
+    The store that wrote it (the manifest's `"store"`: file, DCP, DeepSpeed)
+    checks it with its own `verify`: every file's size and the XXH3-64 of all
+    its bytes against the manifest, whose own checksum is checked first.
+    """
     from cadence.checkpoint.store import CheckpointError
 
     target = Path(args.checkpoint)
@@ -20,12 +24,9 @@ def inspect_checkpoint(args: argparse.Namespace) -> int:
     if (target / "checkpoints").is_dir():  # a run directory: its latest checkpoint
         target = target / "checkpoints"
     try:
-        store, name = FileStore().locate(target)
-    except CheckpointError as exc:
-        # A folder of checkpoint files without its manifest is a damaged checkpoint (1), not a wrong path (2).
-        if not (target.is_dir() and any(f.name == "payload.pt" or f.suffix == ".bin" for f in target.iterdir())):
-            raise UsageError(" ".join(str(exc).split())) from None
-        return _damaged(target, exc)
+        store, name = _locate(target)
+    except _Damaged as damaged:
+        return _damaged(target, damaged.error)
     try:
         manifest = store.manifest(name)
     except CheckpointError as exc:
@@ -41,11 +42,58 @@ def inspect_checkpoint(args: argparse.Namespace) -> int:
         print(f"step        {manifest.get('step')} (from the manifest)")
         return 1
     print(
-        f"manifest    ok: {len(files)} files, {human_size(total)}, sizes and XXH3-64 checksums match (created {manifest.get('created')})"
+        f"manifest    ok: {len(files)} files, {human_size(total)}, {store.kind} store: every byte of every file "
+        f"checked, sizes and XXH3-64 checksums match (created {manifest.get('created')})"
     )
-    payload = store.read(name)
+    payload = store.read_whole(name)
     print("\n".join(_describe(payload)))
     return 0
+
+
+class _Damaged(Exception):
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _locate(target: Path) -> tuple[Any, str]:
+    """The store that wrote the checkpoint at `target` (the manifest's `"store"`), at its folder, and its name."""
+    from cadence.checkpoint.store import STORES, CheckpointError, store_class
+
+    kind = _kind(target)
+    if kind is not None:
+        found = store_class(kind)
+        if found is None:
+            raise _Damaged(
+                CheckpointError(
+                    f"the manifest names an unknown store {kind!r} (known: {', '.join(STORES)})", path=target
+                )
+            )
+        return found.for_reading().locate(target)
+    # No readable manifest: a folder of some store's files without it is a damaged checkpoint (1), else a wrong path (2).
+    usage: CheckpointError | None = None
+    for each in STORES:  # "file" first: its message for a folder that is no checkpoint
+        cls = store_class(each)
+        assert cls is not None
+        try:
+            return cls.for_reading().locate(target)
+        except CheckpointError as exc:
+            if exc.reason == getattr(cls, "NO_MANIFEST", None):  # a folder store's files, no manifest
+                raise _Damaged(exc) from None
+            usage = usage or exc
+    raise UsageError(" ".join(str(usage).split()))
+
+
+def _kind(target: Path) -> str | None:
+    """The `"store"` field of the manifest at `target` or of its `latest` (`"file"` where it has none); None: unreadable."""
+    import json
+
+    for folder in (target, target / "latest"):
+        try:
+            manifest = json.loads((folder / "manifest.json").read_bytes())
+        except (OSError, ValueError):
+            continue
+        return str(manifest.get("store", "file")) if isinstance(manifest, dict) else None
+    return None
 
 
 def _damaged(folder: Path, error: Exception) -> int:

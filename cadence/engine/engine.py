@@ -434,12 +434,11 @@ class Engine:
     # -- running ------------------------------------------------------------
 
     def fit(self, steps: int | None = None, epochs: int | None = None) -> None:
-        """Train for `steps` more steps or `epochs` more epochs.
+        """Train for `steps` more steps or `epochs` more epochs, counted from where the state is: after any restore.
 
-        With neither, train until `config.steps` / `config.epochs` (absolute
-        targets, so a resumed run finishes where it would have). With both,
-        the fit stops at whichever bound it reaches first. Re-entrant:
-        `fit(steps=100)` twice trains 200 steps.
+        With neither, train to `config.steps` / `config.epochs`: absolute, so a resumed run (a TorchFT group
+        restored from any step) ends at the job's step. With both, the first bound reached stops it.
+        `fit(steps=100)` twice trains 200 steps; `setup()` first shows the restored `state.step`.
         """
         self._check_budget(steps, epochs)
         with self._run():  # on_setup may restore a checkpoint: targets count from there
@@ -450,9 +449,8 @@ class Engine:
 
     def _fit(self, stop_step: float, stop_epoch: float) -> None:
         state, fire, requests = self.state, self.fire, self.requests
-        # `hooks[event] and fires[event](self)`: an event nobody listens to costs
-        # a dict lookup, not a call (on a tiny step every bit of Python shows);
-        # one listened to costs one call, plus one per hook.
+        # `hooks[event] and fires[event](self)`: an event nobody listens to costs a dict lookup, not a call
+        # (on a tiny step every bit of Python shows); one listened to costs one call, plus one per hook.
         hooks, fires, agreed = self.hooks_table, self._bus.fires, requests.agreed
         skip, stop = requests.index["skip"], requests.index["stop"]
         log_interval = self.config.log_interval
@@ -487,8 +485,7 @@ class Engine:
         requests.in_step = False
         first_step = state.step
         fire(Event.ON_FIT_START)
-        # compute_loss's usual case, inlined below: loss_fn over (inputs, targets),
-        # unless a subclass computes the loss its own way.
+        # compute_loss's usual case, inlined below: loss_fn over (inputs, targets), unless a subclass overrides it.
         inline = plain and self.step_fn is None and type(self).compute_loss is Engine.compute_loss
         model, pair_loss = self.wrapped_model, self.loss_fn if inline else None
         while state.step < stop_step and state.epoch < stop_epoch and not agreed[stop]:
@@ -597,8 +594,7 @@ class Engine:
         due = tuple((split, every) for split, every in self._eval_schedule("epochs") if split not in evaluated)
         self._evaluate_due(due, self.state.epoch)
         self.fire(Event.ON_EPOCH_END)
-        # Requests raised at epoch end (early stopping after evaluation) are
-        # agreed here so the stop happens before another epoch starts.
+        # Requests raised at epoch end (early stopping after evaluation) are agreed here: stop before another epoch.
         stop = self.requests.index["stop"]
         stopping = self.requests.agreed[stop]
         self.backend.agree(self.requests)
@@ -787,16 +783,20 @@ class Engine:
         finally:
             self.outputs, self._active_metrics = outputs, active
 
+    def setup(self) -> None:
+        """Fire `on_setup` now, once (else the first run does): `Checkpoint` restores there, so `state.step` shows it."""
+        checks.check_order_targets(self.callbacks, callback_key)
+        if not self._setup_done:
+            self._setup_done = True
+            self.fire(Event.ON_SETUP)
+
     @contextlib.contextmanager
     def _run(self) -> Iterator[None]:
         """One top-level run: setup once, on_exception on error, on_teardown always."""
         if self._running:  # evaluate() inside fit()
             yield
             return
-        checks.check_order_targets(self.callbacks, callback_key)
-        if not self._setup_done:
-            self._setup_done = True
-            self.fire(Event.ON_SETUP)
+        self.setup()
         self._running = True
         try:
             yield

@@ -230,7 +230,7 @@ def check_damaged_checkpoint_is_refused(directory):
     assert store.names() == ["ckpt-s000000000006", "ckpt-s000000000009", "latest"]  # keep_latest_k=2 of 3, 6, 9
     manifest = store.verify("latest")
     assert manifest["zero_stage"] == 2 and manifest["data_size"] == 2 and manifest["step"] == STEPS
-    assert all(entry["algorithm"] == "xxh3_64" for entry in manifest["files"].values())
+    assert all(entry["algorithm"] == "xxh3-64" for entry in manifest["files"].values())
     shutil.copytree(directory / "latest", directory / "damaged")
     victim = next(f for f in sorted(manifest["files"]) if "optim_states" in f)
     with open(directory / "damaged" / victim, "r+b") as f:

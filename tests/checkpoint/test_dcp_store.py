@@ -180,12 +180,11 @@ def test_shapes_and_keys_are_checked_against_metadata_before_anything_is_loaded(
     skeleton["model"]["extra"] = {"__cadence_dcp__": "model.extra"}
     manifest = json.loads((tmp_path / "latest" / "manifest.json").read_text())
     torch.save(skeleton, tmp_path / "latest" / "objects.pt")
-    from cadence.checkpoint import dcp_commit, dcp_io
+    from cadence.checkpoint import dcp_io, file_io
 
     size, digest = dcp_io.file_digest(tmp_path / "latest" / "objects.pt")
     manifest["files"]["objects.pt"].update(size=size, checksum=digest)
-    manifest[dcp_commit.MANIFEST_KEY] = dcp_commit.manifest_digest(manifest)
-    (tmp_path / "latest" / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "latest" / "manifest.json").write_bytes(file_io.manifest_bytes(manifest))
     with pytest.raises(CheckpointError, match=r"tensor model\.extra is in objects\.pt but not in \.metadata"):
         DCPStore(tmp_path).read("latest")
 
