@@ -44,6 +44,8 @@ import yaml
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
 from cadence.run import config as config_module
+from cadence.run import lease
+from cadence.run.determinism import enable_determinism as enable_determinism
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine
@@ -340,6 +342,7 @@ def open_run_dir(engine: Engine) -> Path:
     info = engine.run_info
     if engine.backend.is_main:
         try:
+            lease.acquire(info.path, engine, info.timestamp)  # before any write: one live launch per directory
             write_metadata(engine, info)
         except OSError as exc:
             raise OSError(
@@ -446,28 +449,3 @@ def _best_score(engine: Engine) -> dict[str, Any] | None:
             metric = f"{split}.{name}" if split and name else "score"
             return {"metric": metric, "value": float(score), "step": getattr(callback, "best_step", None)}
     return None
-
-
-# --- determinism ------------------------------------------------------------------------------
-
-
-def enable_determinism() -> None:
-    """Make torch pick deterministic kernels, process-wide (`EngineConfig.deterministic=True`).
-
-    Sets `torch.use_deterministic_algorithms(True)`, `cudnn.deterministic = True`,
-    `cudnn.benchmark = False`, and `CUBLAS_WORKSPACE_CONFIG=:4096:8` (unless set)
-    which cuBLAS reads when its first handle is created, so it must come before
-    the first CUDA matmul. Costs: slower kernels on GPU (no cuDNN autotuning,
-    deterministic reductions), about 32 MiB of cuBLAS workspace per stream, and
-    an error from any op that has no deterministic implementation. Not undone
-    when the engine ends.
-    """
-    import torch
-
-    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            logger.warning("deterministic=True: CUDA is already initialized; CUBLAS_WORKSPACE_CONFIG may come too late")
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False

@@ -90,6 +90,7 @@ def test_same_config_and_code_land_in_the_same_run_dir(tmp_path, monkeypatch):
     meta = first.run_dir / "metadata"
     assert {p.name for p in meta.iterdir()} == {
         "config.full.yaml", "config.canonical.yaml", "config.diff.yaml", "git.yaml", "run.yaml", "attempts.jsonl",
+        "lease",
     }  # fmt: skip
     assert config_hash(read_yaml(meta / "config.canonical.yaml")) == info.config_id
 
