@@ -829,6 +829,8 @@ class Engine:
         """
         self.wrapped_model = self.model
         self.backend.teardown()
+        if self._run_dir is not None:  # another launch of this run may take its directory now
+            rundir.release_run_dir(self)
 
     def __enter__(self) -> Engine:
         return self

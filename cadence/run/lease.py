@@ -39,8 +39,8 @@ WAIT_ENV = "CADENCE_RUN_LEASE_WAIT"
 """Environment variable: seconds a launch waits for a live holder of its run directory (default 0, `inf`: forever)."""
 POLL_SECONDS = 0.2
 
-# real path -> [descriptor, engines holding it]; one descriptor per directory (see the module docstring).
-_held: dict[str, list[int]] = {}
+# real path -> (descriptor, {id(engine): its finalizer}); one descriptor per directory (see the module docstring).
+_held: dict[str, tuple[int, dict[int, weakref.finalize]]] = {}
 # A forked child holds no record lock of its parent's: it starts with none (its copies of the files stay open).
 os.register_at_fork(after_in_child=_held.clear)
 
@@ -68,7 +68,8 @@ def wait_seconds() -> float:
 
 
 def acquire(run_dir: Path, owner: object, attempt: str, wait: float | None = None) -> None:
-    """Take the lease of `run_dir` for as long as `owner` (an engine) lives, or this process does.
+    """Take the lease of `run_dir` until `release(run_dir, owner)`, `owner` (an engine) is collected,
+    or this process ends.
 
     Raises:
         RunDirectoryBusy: another live process holds it, and it was not freed within `wait`
@@ -84,9 +85,17 @@ def acquire(run_dir: Path, owner: object, attempt: str, wait: float | None = Non
         data = (json.dumps(record) + "\n").encode("utf-8")
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
-        entry = _held[key] = [fd, 0]
-    entry[1] += 1
-    weakref.finalize(owner, _drop, key)
+        entry = _held[key] = (fd, {})
+    if id(owner) not in entry[1]:
+        entry[1][id(owner)] = weakref.finalize(owner, _drop, key, id(owner))
+
+
+def release(run_dir: Path, owner: object) -> None:
+    """`owner` no longer holds the lease of `run_dir`; the last holder in this process unlocks it."""
+    entry = _held.get(os.path.realpath(lease_path(run_dir)))
+    finalizer = entry[1].get(id(owner)) if entry is not None else None
+    if finalizer is not None:
+        finalizer()  # runs _drop once
 
 
 def _lock(path: Path, wait: float) -> int:
@@ -111,12 +120,12 @@ def _lock(path: Path, wait: float) -> int:
     )
 
 
-def _drop(key: str) -> None:
+def _drop(key: str, owner: int) -> None:
     entry = _held.get(key)
     if entry is None:
         return
-    entry[1] -= 1
-    if entry[1] <= 0:
+    entry[1].pop(owner, None)
+    if not entry[1]:
         del _held[key]
         os.close(entry[0])  # the kernel releases the lock
 

@@ -15,7 +15,8 @@ Ids:
     config_id: `config_hash` of the run config with the fields that place a run
         rather than define it (`EngineConfig.workspace`, `lineage`, `run_id`)
         reset, and a seed the engine drew left unset.
-    run_id: `code_id-config_id` (`config_id` outside git); `EngineConfig.run_id` overrides it.
+    launch: the backend's name and world size (`local1`, `ddp8`): another launch is another run.
+    run_id: `code_id-config_id-launch` (no `code_id` outside git); `EngineConfig.run_id` overrides it.
 
 Nothing is read or written until something needs the directory: the first
 access of `engine.run_dir` creates it and, on the main process only, writes
@@ -212,6 +213,7 @@ class RunInfo:
         lineage: the group of runs it belongs to.
         timestamp: this attempt's start, `YYYYmmdd-HHMMSS` local time (meaningful on the main process).
         git: the repository's state, or None outside git.
+        launch: the backend's name and world size, part of the run's identity (`ddp2`).
     """
 
     path: Path
@@ -222,6 +224,7 @@ class RunInfo:
     timestamp: str
     git: GitInfo | None = attrs.field(repr=False)
     identity: Any = attrs.field(repr=False)
+    launch: str = ""
 
 
 def resolve_run(engine: Engine) -> RunInfo:
@@ -231,7 +234,8 @@ def resolve_run(engine: Engine) -> RunInfo:
     config_id = config_module.config_hash(identity)
     git = git_info()
     code_id = git.code_id if git is not None else None
-    run_id = cfg.run_id or (f"{code_id}-{config_id}" if code_id else config_id)
+    launch = f"{getattr(engine.backend, 'name', type(engine.backend).__name__)}{engine.backend.world_size}"
+    run_id = cfg.run_id or "-".join(part for part in (code_id, config_id, launch) if part)
     folder = f"{cfg.lineage}-{code_id}" if code_id else cfg.lineage
     path = Path(cfg.workspace).expanduser().absolute() / folder / run_id
     timestamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -242,7 +246,7 @@ def resolve_run(engine: Engine) -> RunInfo:
         while timestamp in used:
             n += 1
             timestamp = f"{base}-{n}"
-    return RunInfo(path, run_id, config_id, code_id, cfg.lineage, timestamp, git, identity)
+    return RunInfo(path, run_id, config_id, code_id, cfg.lineage, timestamp, git, identity, launch)
 
 
 def draw_seed(engine: Engine) -> int:
@@ -353,6 +357,11 @@ def open_run_dir(engine: Engine) -> Path:
         engine.add_callback(recorder)
         recorder.record(engine, "running" if getattr(engine, "_running", False) else "created")
     return info.path
+
+
+def release_run_dir(engine: Engine) -> None:
+    """Give up this engine's hold on the run directory's lease (`Engine.close`); a no-op where it holds none."""
+    lease.release(engine.run_info.path, engine)
 
 
 # --- the attempt record -----------------------------------------------------------------------

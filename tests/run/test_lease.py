@@ -81,7 +81,7 @@ def test_a_second_live_launch_fails_naming_the_holder_and_a_killed_holder_frees_
     assert lease.holder(run_dir) is None
 
 
-def test_engines_of_one_run_in_one_process_share_the_lease_until_the_last_is_collected(tmp_path):
+def test_engines_of_one_run_in_one_process_share_the_lease_until_the_last_is_closed_or_collected(tmp_path):
     import gc
 
     def engine() -> cadence.Engine:
@@ -99,8 +99,7 @@ def test_engines_of_one_run_in_one_process_share_the_lease_until_the_last_is_col
     del first
     gc.collect()
     assert lease.holder(run_dir) is not None  # the second engine still holds it
-    del second
-    gc.collect()
+    second.close()
     assert lease.holder(run_dir) is None
 
 
