@@ -97,6 +97,7 @@ class Saver:
         self.collective = store.collective and backend.world_size > 1  # a collective store on more than one rank
         self.writes = store.collective or self.main  # this rank calls the store's write
         self.writer: AsyncWriter | None = None
+        self.threaded = False  # this fit's saves go to the writer thread (on the writing ranks; the same on all)
         self.fence = CopyFence()  # async saves on GPUs: the copies the loop must wait for before writing
         self._async_store: AsyncCheckpointStore | None = None  # async saves through the store's own staging
         self._pending: list[tuple[PendingSave, Job]] = []  # its saves in flight, in order
@@ -138,7 +139,8 @@ class Saver:
         """At each fit's start: how async saves go (the store's own staging, or the writer thread, started)."""
         store = self.store
         self._async_store = store if asynchronous and isinstance(store, AsyncCheckpointStore) else None
-        if asynchronous and self.writes and self._async_store is None:
+        self.threaded = asynchronous and self._async_store is None
+        if self.threaded and self.writes:
             if self.writer is None:
                 # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
                 self.writer = AsyncWriter(self._commit, supersede=not self.collective, share=share)
@@ -201,7 +203,8 @@ class Saver:
                 error = exc
             # Written in the loop: sync saves, and under TorchFT a group's own data state when the
             # store stages its async saves itself: every rank learns the outcome.
-            in_loop = self.writer is None and (self._async_store is None or not full)
+            # Decided alike on every rank: only the writing ranks have a writer thread.
+            in_loop = not self.threaded and (self._async_store is None or not full)
             if in_loop and backend.world_size > 1:
                 error = self._exchange(error, state.step)
         if error is not None:
@@ -239,7 +242,7 @@ class Saver:
             self._commit(job)
             if job.full:
                 done.append(job)
-        elif self.writer is not None:
+        elif self.threaded and self.writer is not None:
             late = optimizer_written(engine) if job.payload is not None else set()
             staging = self.writer.submit(job, late)
             if staging is not None and staging.copies is not None and staging.copies.pending:

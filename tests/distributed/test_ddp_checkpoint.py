@@ -164,3 +164,21 @@ def test_mid_epoch_resume_on_2_ranks_sees_exactly_the_uninterrupted_samples(tmp_
         assert report["step"] == 20 and report["same_samples"] and report["bitwise_equal"], report
     # The two ranks' shards of an epoch are disjoint and cover the dataset.
     assert sorted(rank0["epoch_indices"] + rank1["epoch_indices"]) == list(range(SAMPLES))
+
+
+def test_async_saves_of_the_file_store_end_a_ddp_fit_on_every_rank(tmp_path):
+    """Only the main process has the writer thread: the other ranks must not wait for a status after a save
+    (examples/lm.py on two processes hung at the end of fit: rank 1 in a barrier rank 0 never entered)."""
+    directory = str(tmp_path / "ckpt")
+
+    def train():
+        process_group()
+        checkpoint = Checkpoint(dir=directory, interval=2, async_mode="async")
+        engine = make_engine(4, callbacks=[checkpoint], steps=5)
+        engine.fit()
+        return engine.backend.all_gather_object(engine.state.step)  # a collective after the fit: every rank is here
+
+    assert run(train) == [5, 5]
+    from cadence.checkpoint.file_store import FileStore
+
+    assert FileStore(directory).read("latest")["meta"]["step"] == 5
