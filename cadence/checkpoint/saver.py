@@ -93,11 +93,10 @@ class Saver:
     ) -> None:
         self.store, self.backend = store, backend
         self.keep_latest_k, self.barrier_timeout = keep_latest_k, barrier_timeout
-        self.main = bool(backend.is_main)
+        self.main, self.threaded = bool(backend.is_main), False
         self.collective = store.collective and backend.world_size > 1  # a collective store on more than one rank
         self.writes = store.collective or self.main  # this rank calls the store's write
         self.writer: AsyncWriter | None = None
-        self.threaded = False  # this fit's saves go to the writer thread (on the writing ranks; the same on all)
         self.fence = CopyFence()  # async saves on GPUs: the copies the loop must wait for before writing
         self._async_store: AsyncCheckpointStore | None = None  # async saves through the store's own staging
         self._pending: list[tuple[PendingSave, Job]] = []  # its saves in flight, in order
@@ -139,7 +138,7 @@ class Saver:
         """At each fit's start: how async saves go (the store's own staging, or the writer thread, started)."""
         store = self.store
         self._async_store = store if asynchronous and isinstance(store, AsyncCheckpointStore) else None
-        self.threaded = asynchronous and self._async_store is None
+        self.threaded = asynchronous and self._async_store is None  # to the writer thread (of the writing ranks)
         if self.threaded and self.writes:
             if self.writer is None:
                 # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
@@ -201,9 +200,8 @@ class Saver:
                         self.fence.release()
             except Exception as exc:
                 error = exc
-            # Written in the loop: sync saves, and under TorchFT a group's own data state when the
-            # store stages its async saves itself: every rank learns the outcome.
-            # Decided alike on every rank: only the writing ranks have a writer thread.
+            # Written in the loop (decided alike on every rank, though only the writing ranks have a writer):
+            # sync saves, and under TorchFT a group's own data state when the store stages its async saves itself.
             in_loop = not self.threaded and (self._async_store is None or not full)
             if in_loop and backend.world_size > 1:
                 error = self._exchange(error, state.step)

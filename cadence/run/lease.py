@@ -68,7 +68,7 @@ def wait_seconds() -> float:
 
 
 def acquire(run_dir: Path, owner: object, attempt: str, wait: float | None = None) -> None:
-    """Take the lease of `run_dir` until `release(run_dir, owner)`, `owner` (an engine) is collected,
+    """Take the lease of `run_dir` until `release_all(owner)`, `owner` (an engine) is collected,
     or this process ends.
 
     Raises:
@@ -90,12 +90,12 @@ def acquire(run_dir: Path, owner: object, attempt: str, wait: float | None = Non
         entry[1][id(owner)] = weakref.finalize(owner, _drop, key, id(owner))
 
 
-def release(run_dir: Path, owner: object) -> None:
-    """`owner` no longer holds the lease of `run_dir`; the last holder in this process unlocks it."""
-    entry = _held.get(os.path.realpath(lease_path(run_dir)))
-    finalizer = entry[1].get(id(owner)) if entry is not None else None
-    if finalizer is not None:
-        finalizer()  # runs _drop once
+def release_all(owner: object) -> None:
+    """`owner` no longer holds any lease; the last holder of one in this process unlocks it."""
+    for _, owners in list(_held.values()):
+        finalizer = owners.get(id(owner))
+        if finalizer is not None:
+            finalizer()  # runs _drop once
 
 
 def _lock(path: Path, wait: float) -> int:

@@ -360,8 +360,8 @@ def open_run_dir(engine: Engine) -> Path:
 
 
 def release_run_dir(engine: Engine) -> None:
-    """Give up this engine's hold on the run directory's lease (`Engine.close`); a no-op where it holds none."""
-    lease.release(engine.run_info.path, engine)
+    """Give up this engine's hold on its run directory's lease (`Engine.close`); a no-op where it holds none."""
+    lease.release_all(engine)
 
 
 # --- the attempt record -----------------------------------------------------------------------
