@@ -419,6 +419,8 @@ class RunRecorder(Callback):
         best = _best_score(engine)
         if best is not None:
             line["best"] = best
+        if (restarts := os.environ.get("TORCHELASTIC_RESTART_COUNT", "")).isdigit():  # torchrun --max-restarts
+            line["torchelastic_restart_count"] = int(restarts)
         try:
             with open(info.path / METADATA / ATTEMPTS_FILE, "a", encoding="utf-8") as file:
                 file.write(json.dumps(line, default=str) + "\n")
