@@ -13,8 +13,12 @@ do not keep it, and it works on NFS.
 
 Record locks belong to a process: a second engine of the same run in the same
 process (a notebook, a test) shares the lease, so the process keeps one open
-file per directory and closes it when the last engine holding it is collected
-(closing any descriptor of the file would drop the process's lock).
+file per directory and closes it when the last engine holding it is closed or
+collected. The price of record locks: closing any descriptor of the file drops
+the process's lock, so the holder reads `metadata/lease` only through the
+descriptor it holds (`holder`), and code in the holding process should not open
+that file itself (copying a live run directory from inside its own training
+process would release the lease).
 
 A second live launch fails at once naming the holder; with
 `CADENCE_RUN_LEASE_WAIT=<seconds>` (or `inf`) it waits that long for the holder
