@@ -80,3 +80,13 @@ def test_a_mesh_resharded_from_two_data_ranks_to_one_sees_exactly_one_epoch(tmp_
     alone = on(1, str(tmp_path / "one"), f"{two}/latest", None, mesh=True)
     assert len(alone[0]) == 48
     assert Counter(i for seen in first for i in seen) + Counter(alone[0]) == Counter(range(SAMPLES))
+
+
+def test_one_process_to_mid_epoch_then_two_ranks_see_exactly_one_epoch(tmp_path):
+    """The one-process loader shuffles with its own generator (seeded `seed + epoch`): the same global order."""
+    one = str(tmp_path / "one")
+    first = on(1, one, None, 6)
+    assert len(first[0]) == 24
+    two = on(2, str(tmp_path / "two"), f"{one}/latest", None)
+    assert [len(seen) for seen in two] == [24, 24]
+    assert Counter(first[0]) + Counter(i for seen in two for i in seen) == Counter(range(SAMPLES))
