@@ -165,20 +165,16 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
     keep_position = _check_config(engine, saved_config, strict, fail, warnings)
     positions = (payload.get("data") or {}).get("train")
     train = engine.data.get("train")
-    if positions is not None and len(positions) != backend.data_size:
-        # A map-style Dataset's epoch is re-split over this run's data ranks: no sample repeated or skipped.
-        batches = payload["engine"].get("batch_in_epoch") or 0
-        resharded = train.reshard(positions, batches) if keep_position and train is not None else None
-        if resharded is None:
-            keep_position = False
-            warnings.append(
-                f"it was saved on {len(positions)} data rank(s), this run has {backend.data_size}: the train position "
-                f"cannot be resharded (only a map-style Dataset's can), so epoch {payload['engine'].get('epoch')} "
-                f"restarts from its first batch ({batches} batches per rank are seen again)"
-            )
-        else:
-            logger.info("the train position of %d data rank(s) is re-split over %d", len(positions), len(resharded))
-            positions = resharded
+    # On another number of data ranks, a map-style Dataset's epoch is re-split (`DataSource.reshard`): exact.
+    resharded = train.reshard(positions, payload["engine"]) if keep_position and train is not None else None
+    if positions is not None and len(positions) != backend.data_size and resharded is None:
+        keep_position = False
+        warnings.append(
+            f"it was saved on {len(positions)} data rank(s), this run has {backend.data_size}: the train position "
+            f"cannot be resharded (only a map-style Dataset's can), so epoch {payload['engine'].get('epoch')} restarts "
+            f"from its first batch ({payload['engine'].get('batch_in_epoch')} batches per rank are seen again)"
+        )
+    positions = resharded or positions
     mine = positions[backend.data_rank] if keep_position and positions is not None else None
     problem = train.position_problem(mine) if mine is not None and train is not None else None
     if problem is not None:

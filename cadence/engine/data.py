@@ -267,10 +267,15 @@ class DataSource:
     def state_dict(self) -> dict[str, Any] | None:
         return self.loader.state_dict() if self.stateful() else None  # type: ignore[union-attr]
 
-    def reshard(self, saved: list[Any], batch_in_epoch: int) -> list[Any] | None:
-        """Train positions saved on another number of data ranks, one per data rank of this run (`Resharding`);
-        None when this data cannot be re-split (not a map-style `Dataset` the engine built a loader for)."""
-        return None if self.resharding is None else self.resharding.positions(saved, batch_in_epoch)
+    def reshard(self, saved: list[Any] | None, state: dict[str, Any]) -> list[Any] | None:
+        """Train positions saved on another number of data ranks (`state`: the saved engine state), one per data
+        rank of this run (`Resharding`); None when the number is the same or this data cannot be re-split (not a
+        map-style `Dataset` the engine built a loader for)."""
+        if self.resharding is None or not saved or len(saved) == self.resharding.ranks:
+            return None
+        positions = self.resharding.positions(saved, state.get("batch_in_epoch") or 0)
+        logger.info("the train position of %d data rank(s) is re-split over %d", len(saved), len(positions))
+        return positions
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.stateful():

@@ -136,7 +136,7 @@ def test_ddp_checkpoint_holds_every_rank_and_resumes_bitwise_and_on_one_process(
     assert_bitwise(reference, first, resumed)
     # World size 2 -> 1: model and optimizer are restored; the interrupted epoch's rest is re-split over one
     # data rank (tests/distributed/test_reshard_position.py checks the samples).
-    with caplog.at_level("INFO", logger="cadence.checkpoint"):
+    with caplog.at_level("INFO", logger="cadence"):
         engine, _ = workers.build(str(tmp_path / "copy"), workers=0, mode="step", stop=None, resume="auto")
         engine.fit(steps=0)
     messages = [r.message for r in caplog.records]
