@@ -7,6 +7,12 @@
 `digits.main` builds its engine with `backend="auto"`, which becomes DDP when
 `WORLD_SIZE` > 1: the dataset is sharded across the ranks, so each epoch has
 half the steps and the global batch is twice `train.batch_size`.
+
+The backend and the world size are part of a run's identity: this is a run of
+its own (`runs/default-<code>/<code>-<config>-ddp2/`), trained from scratch
+even after `digits.py` finished the one-process run of the same config. To
+continue that run on two processes instead, name it:
+`python examples/ddp_digits.py engine.run_id=<code>-<config>-local1`.
 """
 
 from __future__ import annotations

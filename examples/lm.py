@@ -31,6 +31,13 @@ training FLOPs per token, from which TrainMetrics logs TFLOP/s and MFU (give
 The script prints tokens/s and the loss at each log interval, and the
 validation loss at each evaluation. The same file runs unchanged on the
 `local`, `ddp` and `mesh` backends: only `engine.backend` (and `mesh.*`) change.
+
+Like every Cadence run it leaves a run directory (`runs/lm-<code>/<run_id>/`,
+printed at the start) with the log, `metrics.jsonl` (`cadence plot <run
+directory>` draws it), the config as it ran, and checkpoints saved in the
+background every `checkpoint.interval` steps (`checkpoint.*` are the
+`Checkpoint` callback's settings). Stop it with Ctrl-C and run the same command
+again: it resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ from torch.nn import functional as F
 
 import cadence
 from cadence.backends.float8 import Float8Config
-from cadence.callbacks import TrainMetrics
+from cadence.callbacks import JSONL, Checkpoint, TextLog, TrainMetrics
+from cadence.callbacks.checkpoint import CheckpointConfig
 from cadence.run.config_cli import parse_cli
 
 # -- the model ---------------------------------------------------------------------------
@@ -666,6 +674,9 @@ class LMConfig:
         nproc: processes to start with `cadence.launch` (ignored under torchrun,
             which starts them itself); with more than one, `engine.backend`
             "auto" is DDP.
+        checkpoint: the run's checkpoints (`CheckpointConfig`): every 50 steps,
+            written in the background (`async_mode: async`), resumed by the same
+            command (`auto_resume`).
         engine: the loop's settings.
     """
 
@@ -678,6 +689,9 @@ class LMConfig:
     float8: Float8Config = attrs.field(factory=Float8Config)
     peak_flops: float | None = None
     nproc: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    checkpoint: CheckpointConfig = attrs.field(
+        factory=lambda: CheckpointConfig(interval=50, async_mode="async", auto_resume=True)
+    )
     engine: cadence.EngineConfig = attrs.field(
         factory=lambda: cadence.EngineConfig(
             steps=200,
@@ -806,15 +820,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         args = ["--config", str(Path(__file__).with_name("lm.yaml")), *args]  # the documented defaults
     cfg = parse_cli(LMConfig, args, prog="examples/lm.py")
     if cfg.nproc > 1 and "RANK" not in os.environ:
-        from cadence.launch import launch
+        from cadence.launch import WorkerError, launch
 
-        return launch(train, cfg, nprocs=cfg.nproc, start_method="fork", timeout=3600)
+        try:
+            return launch(train, cfg, nprocs=cfg.nproc, start_method="fork", timeout=3600)
+        except (KeyboardInterrupt, WorkerError) as exc:  # the workers got the Ctrl-C too; launch has stopped them
+            if isinstance(exc, WorkerError) and exc.exitcode != 130:
+                raise
+            print("interrupted: run the same command again to resume from the last checkpoint", file=sys.stderr)
+            raise SystemExit(130) from None
     return train(cfg)
 
 
 def train(cfg: LMConfig) -> dict[str, float]:
     """One process's part of the run; returns the final validation metrics."""
-    engine = build_engine(cfg)
+    checkpoint = Checkpoint(cfg.checkpoint)
+    # metrics.jsonl and the log in the run directory, and checkpoints the same command resumes from.
+    engine = build_engine(cfg, callbacks=[JSONL(), TextLog(console_metrics=False), checkpoint])
+
+    @engine.on(cadence.Event.ON_FIT_START, when=lambda engine: engine.backend.is_main)
+    def announce(engine: cadence.Engine) -> None:
+        if engine.restored_from is not None:
+            print(f"resumed from step {engine.state.step}: {engine.restored_from}", flush=True)
+        print(f"run directory: {engine.run_dir}", flush=True)
 
     @engine.on(cadence.Event.ON_LOG, when=lambda engine: engine.backend.is_main)
     def report(engine: cadence.Engine) -> None:
@@ -832,20 +860,31 @@ def train(cfg: LMConfig) -> dict[str, float]:
             print(f"step {engine.state.step:5d}  val.loss {logged['val.loss']:.4f}", flush=True)
 
     start = time.perf_counter()
-    with engine:
-        engine.fit()
-        # The schedule may have evaluated the last step already: its results, not a second evaluation.
-        every = cfg.engine.eval_every_steps
-        evaluated = every is not None and engine.state.step % every == 0 and "val" in engine.eval_results
-        results = engine.eval_results["val"] if evaluated else engine.evaluate()
+    try:
+        with engine:
+            engine.fit()
+            # The schedule may have evaluated the last step already: its results, not a second evaluation.
+            every = cfg.engine.eval_every_steps
+            evaluated = every is not None and engine.state.step % every == 0 and "val" in engine.eval_results
+            results = engine.eval_results["val"] if evaluated else engine.evaluate()
+    except KeyboardInterrupt:
         if engine.backend.is_main:
-            tokens = engine.state.tokens_seen * engine.backend.data_size
-            elapsed = time.perf_counter() - start
+            saved = checkpoint.last_saved is not None or engine.restored_from is not None
             print(
-                f"trained {engine.state.step} steps, {tokens:,} tokens in {elapsed:.1f} s on "
-                f"{engine.backend.describe()}; final val.loss {results['val.loss']:.4f}",
-                flush=True,
+                "interrupted: run the same command again to resume from the last checkpoint"
+                if saved
+                else "interrupted before the first checkpoint: the same command starts the run over",
+                file=sys.stderr,
             )
+        raise SystemExit(130) from None
+    if engine.backend.is_main:
+        tokens = engine.state.tokens_seen * engine.backend.data_size
+        elapsed = time.perf_counter() - start
+        print(
+            f"trained {engine.state.step} steps, {tokens:,} tokens in {elapsed:.1f} s on "
+            f"{engine.backend.describe()}; final val.loss {results['val.loss']:.4f}",
+            flush=True,
+        )
     return results
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -249,17 +250,19 @@ def test_runs_lists_each_run_with_its_last_attempt(tmp_path):
     done = cli("runs", "ws", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     header, *lines = done.stdout.splitlines()
-    assert header.split() == ["RUN", "ID", "LINEAGE", "CODE", "ID", "STEP", "BEST", "LAST", "ATTEMPT", "STATE"]
+    header_words = "RUN ID LINEAGE CODE ID STEP BEST LAST ATTEMPT STATE HELD BY"
+    assert header.split() == header_words.split()
     rows = {line.split()[0]: line.split() for line in lines}
     assert len(rows) == 3
     row = rows[finished.run_info.run_id]
-    assert row[1:5] == ["default", "-", "3", "-"] and row[-1] == "finished"
+    # The finished engine is alive in this process: it still holds its run directory.
+    assert row[1:5] == ["default", "-", "3", "-"] and row[-2:] == ["finished", f"{socket.gethostname()}:{os.getpid()}"]
     stamp = finished.attempt_timestamp  # YYYYmmdd-HHMMSS; the column shows the last record's local time
-    assert row[-3] == f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]}" and len(row[-2]) == 8
+    assert row[-4] == f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]}" and len(row[-3]) == 8
     row = rows[failed.run_info.run_id]
-    assert row[1:4] == ["other", "-", "2"] and row[-1] == "failed"
+    assert row[1:4] == ["other", "-", "2"] and row[-2] == "failed"
     killed = next(r for r in rows.values() if r[1] == "killed")
-    assert killed[-1] == "lost" and killed[3] == "2"
+    assert killed[-2:] == ["lost", "-"] and killed[3] == "2"
     # A lineage folder and a single run directory work too.
     assert len(cli("runs", str(tmp_path / "ws" / "other")).stdout.splitlines()) == 2
     assert len(cli("runs", str(finished.run_dir)).stdout.splitlines()) == 2
@@ -322,7 +325,7 @@ def test_inspect_shows_step_config_tensors_callbacks_and_a_good_manifest(tmp_pat
     assert cli("inspect", str(engine.run_dir)).stdout.splitlines()[0] == f"checkpoint  {folder}"
     # `cadence runs` shows the best score the Checkpoint callback tracked.
     row = cli("runs", str(tmp_path / "ws")).stdout.splitlines()[1].split()
-    assert row[3] == "8" and row[4] == f"val.loss={checkpoint.best_score:.6g}" and row[-1] == "finished"
+    assert row[3] == "8" and row[4] == f"val.loss={checkpoint.best_score:.6g}" and row[-2] == "finished"
 
 
 def test_inspect_reports_a_damaged_checkpoint_and_refuses_foreign_folders(tmp_path):

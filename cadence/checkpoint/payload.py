@@ -172,14 +172,17 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
     saved_config = (payload.get("config") or {}).get("engine") or {}
     keep_position = _check_config(engine, saved_config, strict, fail, warnings)
     positions = (payload.get("data") or {}).get("train")
-    if positions is not None and len(positions) != backend.data_size:
+    train = engine.data.get("train")
+    # On another number of data ranks, a map-style Dataset's epoch is re-split (`DataSource.reshard`): exact.
+    resharded = train.reshard(positions, payload["engine"]) if keep_position and train is not None else None
+    if positions is not None and len(positions) != backend.data_size and resharded is None:
         keep_position = False
         warnings.append(
             f"it was saved on {len(positions)} data rank(s), this run has {backend.data_size}: the train position "
-            f"cannot be resharded, so epoch {payload['engine'].get('epoch')} restarts from its first batch "
-            f"({payload['engine'].get('batch_in_epoch')} batches per rank are seen again)"
+            f"cannot be resharded (only a map-style Dataset's can), so epoch {payload['engine'].get('epoch')} restarts "
+            f"from its first batch ({payload['engine'].get('batch_in_epoch')} batches per rank are seen again)"
         )
-    train = engine.data.get("train")
+    positions = resharded or positions
     mine = positions[backend.data_rank] if keep_position and positions is not None else None
     problem = train.position_problem(mine) if mine is not None and train is not None else None
     if problem is not None:

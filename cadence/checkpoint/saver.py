@@ -99,7 +99,7 @@ class Saver:
     ) -> None:
         self.store, self.backend, self.params = store, backend, "all"
         self.keep_latest_k, self.barrier_timeout = keep_latest_k, barrier_timeout
-        self.main = bool(backend.is_main)
+        self.main, self.threaded = bool(backend.is_main), False
         self.collective = store.collective and backend.world_size > 1  # a collective store on more than one rank
         self.writes = store.collective or self.main  # this rank calls the store's write
         self.writer: AsyncWriter | None = None
@@ -144,7 +144,8 @@ class Saver:
         """At each fit's start: how async saves go (the store's own staging, or the writer thread, started)."""
         store = self.store
         self._async_store = store if asynchronous and isinstance(store, AsyncCheckpointStore) else None
-        if asynchronous and self.writes and self._async_store is None:
+        self.threaded = asynchronous and self._async_store is None  # to the writer thread (of the writing ranks)
+        if self.threaded and self.writes:
             if self.writer is None:
                 # Ranks of a collective store must enter the same writes: nothing is superseded by timing.
                 self.writer = AsyncWriter(self._commit, supersede=not self.collective, share=share)
@@ -205,9 +206,9 @@ class Saver:
                         self.fence.release()
             except Exception as exc:
                 error = exc
-            # Written in the loop: sync saves, and under TorchFT a group's own data state when the
-            # store stages its async saves itself: every rank learns the outcome.
-            in_loop = self.writer is None and (self._async_store is None or not full)
+            # Written in the loop (decided alike on every rank, though only the writing ranks have a writer):
+            # sync saves, and under TorchFT a group's own data state when the store stages its async saves itself.
+            in_loop = not self.threaded and (self._async_store is None or not full)
             if in_loop and backend.world_size > 1:
                 error = self._exchange(error, state.step)
         if error is not None:
@@ -245,7 +246,7 @@ class Saver:
             self._commit(job)
             if job.full:
                 done.append(job)
-        elif self.writer is not None:
+        elif self.threaded and self.writer is not None:
             late = optimizer_written(engine) if job.payload is not None else set()
             staging = self.writer.submit(job, late)
             if staging is not None and staging.copies is not None and staging.copies.pending:

@@ -23,7 +23,7 @@ def list_runs(args: argparse.Namespace) -> int:
     """Print one line per run directory of the workspace."""
     import yaml
 
-    from cadence.run import rundir
+    from cadence.run import lease, rundir
 
     root = existing_dir(args.workspace, "workspace")
     runs = _run_dirs(root)
@@ -38,6 +38,7 @@ def list_runs(args: argparse.Namespace) -> int:
         records = rundir.read_attempts(path)
         last = records[-1] if records else {}
         best = next((r["best"] for r in reversed(records) if isinstance(r.get("best"), dict)), None)
+        holder = lease.holder(path)
         rows.append(
             (
                 str(last.get("time", "")),
@@ -47,11 +48,12 @@ def list_runs(args: argparse.Namespace) -> int:
                 str(max((r.get("step", 0) for r in records), default="-")),
                 _format_best(best),
                 str(last.get("time", "-")).replace("T", " ")[:19],
-                _state(last),
+                _state(last, holder, lease.lease_path(path).exists()),
+                f"{holder.get('host', '?')}:{holder.get('pid', '?')}" if holder is not None else "-",
             )
         )
     rows.sort(key=lambda row: row[0])
-    header = ("RUN ID", "LINEAGE", "CODE ID", "STEP", "BEST", "LAST ATTEMPT", "STATE")
+    header = ("RUN ID", "LINEAGE", "CODE ID", "STEP", "BEST", "LAST ATTEMPT", "STATE", "HELD BY")
     print("\n".join(table([header, *(row[1:] for row in rows)], indent="")))
     return 0
 
@@ -64,11 +66,14 @@ def _format_best(best: dict[str, Any] | None) -> str:
     return f"{best.get('metric', 'score')}={shown}"
 
 
-def _state(record: dict[str, Any]) -> str:
-    """The last recorded state; a `running` attempt whose process is gone on this host is `lost`."""
+def _state(record: dict[str, Any], holder: dict[str, Any] | None, leased: bool) -> str:
+    """The last recorded state; a `running` attempt whose process is gone is `lost`: no live process holds
+    the run directory's lease (any host), or, for a directory without a lease file, the pid is gone on this host."""
     import socket
 
     state = str(record.get("state", "-"))
+    if state == "running" and leased:
+        return state if holder is not None else "lost"
     if state == "running" and record.get("host") == socket.gethostname():
         pid = record.get("pid")
         if isinstance(pid, int) and not _alive(pid):

@@ -13,6 +13,8 @@ from typing import Any
 import attrs
 import torch
 
+from cadence.engine.sampling import RESHARD, ExactShardSampler, Resharding, loader_over
+
 logger = logging.getLogger("cadence")
 
 #: Marks a train position that the engine replays (from the epoch's saved start) rather than the loader restores.
@@ -83,6 +85,8 @@ class DataSource:
         self.split, self.seed = split, seed
         self.generator: torch.Generator | None = None
         self.sampler: Any = None
+        self.resharding: Resharding | None = None  # map-style train data: its epochs can be re-split
+        self.resharded: dict[str, Any] | None = None  # the re-split epoch's position (`Resharding`), while open
         self.built = isinstance(data, torch.utils.data.Dataset)
         if self.built:
             self.loader = self._build(data, config, data_rank, data_size, pin_memory_device)
@@ -110,6 +114,11 @@ class DataSource:
         shuffle = config.shuffle if config.shuffle is not None else self.split == "train"
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         kwargs: dict[str, Any] = {}
+        if not iterable and self.split == "train":
+            self.resharding = Resharding(
+                len(dataset), batch_size=config.batch_size, drop_last=config.drop_last, shuffle=shuffle, rank=rank,
+                ranks=size,
+            )  # fmt: skip
         # An IterableDataset shards and shuffles itself: no sampler, no shuffle.
         if not iterable and size > 1 and self.split == "train":
             # Padded to equal counts: DDP needs every rank to take the same steps.
@@ -164,8 +173,12 @@ class DataSource:
             return False
         return True
 
-    def epoch_iter(self, epoch: int, *, fresh: bool) -> Iterator[Any]:
-        """An iterator over one epoch; `fresh` reseeds for the start of `epoch`."""
+    def epoch_iter(self, epoch: int, *, fresh: bool, batch_in_epoch: int = 0) -> Iterator[Any]:
+        """An iterator over one epoch; `fresh` reseeds for the start of `epoch`; else from `batch_in_epoch`."""
+        if self.resharded is not None and not fresh and self.resharding is not None:
+            share = self.resharding.share(self.seed, epoch, self.resharded, batch_in_epoch)
+            return iter(loader_over(self.loader, share))
+        self.resharded = None
         if self.sampler is not None:
             # Also when resuming mid-epoch: the distributed sampler's saved
             # state holds only its position, and its permutation comes from
@@ -254,6 +267,16 @@ class DataSource:
     def state_dict(self) -> dict[str, Any] | None:
         return self.loader.state_dict() if self.stateful() else None  # type: ignore[union-attr]
 
+    def reshard(self, saved: list[Any] | None, state: dict[str, Any]) -> list[Any] | None:
+        """Train positions saved on another number of data ranks (`state`: the saved engine state), one per data
+        rank of this run (`Resharding`); None when the number is the same or this data cannot be re-split (not a
+        map-style `Dataset` the engine built a loader for)."""
+        if self.resharding is None or not saved or len(saved) == self.resharding.ranks:
+            return None
+        positions = self.resharding.positions(saved, state.get("batch_in_epoch") or 0)
+        logger.info("the train position of %d data rank(s) is re-split over %d", len(saved), len(positions))
+        return positions
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.stateful():
             raise TypeError(f"{self.split} data ({type(self.loader).__name__}) cannot restore a saved position")
@@ -267,6 +290,8 @@ class DataSource:
         inside an epoch, the random state at the epoch's start; at a boundary,
         the generators' states now (the next epoch draws its order from them).
         """
+        if self.resharded is not None:
+            return {**self.resharded, "batch": batch_in_epoch} if batch_in_epoch else None
         if not self.replays:
             return self.state_dict() if batch_in_epoch and self.stateful() else None
         if batch_in_epoch:
@@ -280,6 +305,10 @@ class DataSource:
     def position_problem(self, state: Any) -> str | None:
         """Why `state` (a saved `position`) cannot be restored here; None when it can."""
         replayed = isinstance(state, dict) and REPLAY in state
+        if isinstance(state, dict) and RESHARD in state and self.resharding is None:
+            return (
+                "the train position was saved inside a re-split epoch; this run's train data is not a map-style Dataset"
+            )
         if replayed != self.replays:
             saved = "a loader the engine replays" if replayed else "a loader that restores its own position"
             return (
@@ -298,6 +327,9 @@ class DataSource:
 
     def load_position(self, state: dict[str, Any], epoch: int) -> bool:
         """Restore a saved `position`; True when the loader now sits at the saved batch, False when it must be replayed."""
+        if RESHARD in state:  # the next `epoch_iter` reads the rest of the re-split epoch
+            self.resharded = {key: state[key] for key in (RESHARD, "start", "first_batch")}
+            return True
         if not self.replays:
             # A distributed sampler's permutation depends on its epoch, which its state does not hold.
             for sampler in {id(s): s for s in (self.sampler, getattr(self.loader, "sampler", None))}.values():
@@ -310,63 +342,6 @@ class DataSource:
         for generator, generator_state in zip(self._generators(), state.get("generators", ())):
             generator.set_state(generator_state)
         return False
-
-
-class ExactShardSampler(torch.utils.data.Sampler[int]):
-    """Rank `rank`'s share of a dataset, with every index on exactly one rank.
-
-    Rank r takes positions r, r + W, r + 2W, ... of the order (W ranks): no
-    padding and no dropping, so ranks may hold counts differing by one. The
-    order is the dataset's, or a permutation seeded with `seed + epoch` when
-    `shuffle` (the same on every rank). Like torchdata's
-    `StatefulDistributedSampler`, its `state_dict()` holds how many indices it
-    has yielded this epoch, so a `StatefulDataLoader` restores its position.
-
-    Example:
-        >>> list(ExactShardSampler(range(5), num_replicas=2, rank=0))
-        [0, 2, 4]
-        >>> list(ExactShardSampler(range(5), num_replicas=2, rank=1))
-        [1, 3]
-    """
-
-    def __init__(self, dataset: Any, *, num_replicas: int, rank: int, shuffle: bool = False, seed: int = 0) -> None:
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"ExactShardSampler: rank must be in [0, {num_replicas}), got {rank}")
-        self.dataset_size = len(dataset)
-        self.num_replicas, self.rank = num_replicas, rank
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
-        self.yielded = 0
-        self.next_yielded: int | None = None
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.dataset_size, self.num_replicas))
-
-    def indices(self) -> list[int]:
-        """This rank's dataset indices for the current epoch, in the order `__iter__` yields them."""
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_size, generator=generator).tolist()
-        else:
-            order = list(range(self.dataset_size))
-        return order[self.rank :: self.num_replicas]
-
-    def __iter__(self) -> Iterator[int]:
-        mine = self.indices()
-        self.yielded, self.next_yielded = self.next_yielded or 0, None
-        for index in mine[self.yielded :]:
-            self.yielded += 1
-            yield index
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"yielded": self.yielded}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("yielded", -1) < 0:
-            raise ValueError(f"ExactShardSampler: invalid state {state!r}; expected {{'yielded': int >= 0}}")
-        self.next_yielded = state["yielded"]
 
 
 def _host_rng() -> dict[str, Any]:

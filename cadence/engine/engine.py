@@ -821,14 +821,14 @@ class Engine:
                 logger.error("%s", error)
 
     def close(self) -> None:
-        """Release the backend's resources: its wrapper of the model, process groups it created.
+        """Release the backend's resources (its wrapper of the model, process groups it created) and the run directory.
 
-        The wrapper (DDP's, whose reducer holds the process group) goes first,
-        so the group is destroyed while the interpreter is fully alive rather
-        than at exit. `engine.model` stays usable.
+        The wrapper (DDP's, whose reducer holds the process group) goes first, so the group is destroyed while
+        the interpreter is fully alive rather than at exit. `engine.model` stays usable.
         """
         self.wrapped_model = self.model
         self.backend.teardown()
+        rundir.release_run_dir(self)  # its lease: another launch of this run may take the directory now
 
     def __enter__(self) -> Engine:
         return self

@@ -77,7 +77,7 @@ class TrainFeed:
         """The batches of `state.epoch` from `state.batch_in_epoch` on."""
         if state.batch_in_epoch == 0 or self.position_restored:
             self.position_restored = False
-            return source.epoch_iter(state.epoch, fresh=state.batch_in_epoch == 0)
+            return source.epoch_iter(state.epoch, fresh=state.batch_in_epoch == 0, batch_in_epoch=state.batch_in_epoch)
         # The data cannot restore its position itself: replay the epoch to it.
         return source.replay(state.epoch, state.batch_in_epoch)
 

@@ -15,7 +15,8 @@ Ids:
     config_id: `config_hash` of the run config with the fields that place a run
         rather than define it (`EngineConfig.workspace`, `lineage`, `run_id`)
         reset, and a seed the engine drew left unset.
-    run_id: `code_id-config_id` (`config_id` outside git); `EngineConfig.run_id` overrides it.
+    launch: the backend's name and world size (`local1`, `ddp8`): another launch is another run.
+    run_id: `code_id-config_id-launch` (no `code_id` outside git); `EngineConfig.run_id` overrides it.
 
 Nothing is read or written until something needs the directory: the first
 access of `engine.run_dir` creates it and, on the main process only, writes
@@ -44,6 +45,8 @@ import yaml
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
 from cadence.run import config as config_module
+from cadence.run import lease
+from cadence.run.determinism import enable_determinism as enable_determinism
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine
@@ -210,6 +213,7 @@ class RunInfo:
         lineage: the group of runs it belongs to.
         timestamp: this attempt's start, `YYYYmmdd-HHMMSS` local time (meaningful on the main process).
         git: the repository's state, or None outside git.
+        launch: the backend's name and world size, part of the run's identity (`ddp2`).
     """
 
     path: Path
@@ -220,6 +224,7 @@ class RunInfo:
     timestamp: str
     git: GitInfo | None = attrs.field(repr=False)
     identity: Any = attrs.field(repr=False)
+    launch: str = ""
 
 
 def resolve_run(engine: Engine) -> RunInfo:
@@ -229,7 +234,8 @@ def resolve_run(engine: Engine) -> RunInfo:
     config_id = config_module.config_hash(identity)
     git = git_info()
     code_id = git.code_id if git is not None else None
-    run_id = cfg.run_id or (f"{code_id}-{config_id}" if code_id else config_id)
+    launch = f"{getattr(engine.backend, 'name', type(engine.backend).__name__)}{engine.backend.world_size}"
+    run_id = cfg.run_id or "-".join(part for part in (code_id, config_id, launch) if part)
     folder = f"{cfg.lineage}-{code_id}" if code_id else cfg.lineage
     path = Path(cfg.workspace).expanduser().absolute() / folder / run_id
     timestamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -240,7 +246,7 @@ def resolve_run(engine: Engine) -> RunInfo:
         while timestamp in used:
             n += 1
             timestamp = f"{base}-{n}"
-    return RunInfo(path, run_id, config_id, code_id, cfg.lineage, timestamp, git, identity)
+    return RunInfo(path, run_id, config_id, code_id, cfg.lineage, timestamp, git, identity, launch)
 
 
 def draw_seed(engine: Engine) -> int:
@@ -340,6 +346,7 @@ def open_run_dir(engine: Engine) -> Path:
     info = engine.run_info
     if engine.backend.is_main:
         try:
+            lease.acquire(info.path, engine, info.timestamp)  # before any write: one live launch per directory
             write_metadata(engine, info)
         except OSError as exc:
             raise OSError(
@@ -350,6 +357,11 @@ def open_run_dir(engine: Engine) -> Path:
         engine.add_callback(recorder)
         recorder.record(engine, "running" if getattr(engine, "_running", False) else "created")
     return info.path
+
+
+def release_run_dir(engine: Engine) -> None:
+    """Give up this engine's hold on its run directory's lease (`Engine.close`); a no-op where it holds none."""
+    lease.release_all(engine)
 
 
 # --- the attempt record -----------------------------------------------------------------------
@@ -407,6 +419,8 @@ class RunRecorder(Callback):
         best = _best_score(engine)
         if best is not None:
             line["best"] = best
+        if (restarts := os.environ.get("TORCHELASTIC_RESTART_COUNT", "")).isdigit():  # torchrun --max-restarts
+            line["torchelastic_restart_count"] = int(restarts)
         try:
             with open(info.path / METADATA / ATTEMPTS_FILE, "a", encoding="utf-8") as file:
                 file.write(json.dumps(line, default=str) + "\n")
@@ -446,28 +460,3 @@ def _best_score(engine: Engine) -> dict[str, Any] | None:
             metric = f"{split}.{name}" if split and name else "score"
             return {"metric": metric, "value": float(score), "step": getattr(callback, "best_step", None)}
     return None
-
-
-# --- determinism ------------------------------------------------------------------------------
-
-
-def enable_determinism() -> None:
-    """Make torch pick deterministic kernels, process-wide (`EngineConfig.deterministic=True`).
-
-    Sets `torch.use_deterministic_algorithms(True)`, `cudnn.deterministic = True`,
-    `cudnn.benchmark = False`, and `CUBLAS_WORKSPACE_CONFIG=:4096:8` (unless set)
-    which cuBLAS reads when its first handle is created, so it must come before
-    the first CUDA matmul. Costs: slower kernels on GPU (no cuDNN autotuning,
-    deterministic reductions), about 32 MiB of cuBLAS workspace per stream, and
-    an error from any op that has no deterministic implementation. Not undone
-    when the engine ends.
-    """
-    import torch
-
-    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            logger.warning("deterministic=True: CUDA is already initialized; CUBLAS_WORKSPACE_CONFIG may come too late")
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False

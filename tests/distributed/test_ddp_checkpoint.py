@@ -118,20 +118,37 @@ def test_world_size_2_checkpoint_resumes_on_1_process_and_back(tmp_path):
     torch.testing.assert_close(resumed, flat_parameters(reference.model), rtol=0, atol=1e-6)
 
 
-def test_mid_epoch_checkpoint_on_2_ranks_loaded_on_1_says_what_restarts(tmp_path, caplog):
+def test_mid_epoch_checkpoint_of_plain_loaders_on_2_ranks_loaded_on_1_says_what_restarts(tmp_path, caplog):
     directory = str(tmp_path / "ckpt")
+
+    def loader():  # a DataLoader the engine did not build: its epoch cannot be re-split
+        sampler = (
+            torch.utils.data.DistributedSampler(indexed_dataset(), shuffle=True, seed=0)
+            if dist.is_initialized()
+            else None
+        )
+        return torch.utils.data.DataLoader(indexed_dataset(), batch_size=4, sampler=sampler)
 
     def two_ranks():
         process_group()
-        engine = make_engine(4, callbacks=[Checkpoint(dir=directory, interval=0)], shuffle=True)
+        model = tiny_model(seed=3)
+        engine = cadence.Engine(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), loader(), step_fn=SeenSamples(), seed=0,
+            callbacks=[Checkpoint(dir=directory, interval=0)], device="cpu",
+        )  # fmt: skip
         engine.fit(steps=3)
 
     run(two_ranks)
     with caplog.at_level(logging.WARNING, logger="cadence.checkpoint"):
         resume = Checkpoint(dir=str(tmp_path / "single"), resume=f"{directory}/latest")
-        single = make_engine(4, callbacks=[resume], shuffle=True, steps=4)
+        model = tiny_model(seed=3)
+        single = cadence.Engine(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), loader(), step_fn=SeenSamples(), seed=0,
+            callbacks=[resume], device="cpu", steps=4,
+        )  # fmt: skip
         single.fit()
     assert "saved on 2 data rank(s), this run has 1" in caplog.text and "restarts from its first batch" in caplog.text
+    assert "cannot be resharded (only a map-style Dataset's can)" in caplog.text
     assert single.state.step == 4 and single.state.batch_in_epoch == 1
 
 
@@ -164,3 +181,21 @@ def test_mid_epoch_resume_on_2_ranks_sees_exactly_the_uninterrupted_samples(tmp_
         assert report["step"] == 20 and report["same_samples"] and report["bitwise_equal"], report
     # The two ranks' shards of an epoch are disjoint and cover the dataset.
     assert sorted(rank0["epoch_indices"] + rank1["epoch_indices"]) == list(range(SAMPLES))
+
+
+def test_async_saves_of_the_file_store_end_a_ddp_fit_on_every_rank(tmp_path):
+    """Only the main process has the writer thread: the other ranks must not wait for a status after a save
+    (examples/lm.py on two processes hung at the end of fit: rank 1 in a barrier rank 0 never entered)."""
+    directory = str(tmp_path / "ckpt")
+
+    def train():
+        process_group()
+        checkpoint = Checkpoint(dir=directory, interval=2, async_mode="async")
+        engine = make_engine(4, callbacks=[checkpoint], steps=5)
+        engine.fit()
+        return engine.backend.all_gather_object(engine.state.step)  # a collective after the fit: every rank is here
+
+    assert run(train) == [5, 5]
+    from cadence.checkpoint.file_store import FileStore
+
+    assert FileStore(directory).read("latest")["meta"]["step"] == 5

@@ -81,3 +81,61 @@ def test_unchanged_script_under_torchrun(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     single = json.loads((tmp_path / "ranksingle.json").read_text())
     assert single["backend"].startswith("local(") and single["step"] == 16
+
+
+# Rank 1 dies at step 5 of the first attempt (after the step-4 checkpoint); torchrun restarts both.
+DIES_ONCE = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import cadence
+    from cadence.callbacks import Checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
+    engine = cadence.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                            loss_fn=torch.nn.functional.cross_entropy, seed=0, steps=8, train={"batch_size": 4},
+                            callbacks=[Checkpoint(interval=2, auto_resume=True)], workspace="ws", device="cpu")
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if restart == 0 and os.environ["RANK"] == "1":
+        engine.on(cadence.Event.ON_STEP_END, when=lambda e: e.state.step == 5)(lambda e: os._exit(3))
+    engine.fit()
+    if os.environ["RANK"] == "0":
+        with open(os.path.join(sys.argv[1], "result.json"), "w") as fh:
+            json.dump({"restart": restart, "restored_from": engine.restored_from, "step": engine.state.step,
+                       "run_dir": str(engine.run_dir)}, fh)
+    engine.close()
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_a_torchrun_restart_resumes_from_the_last_checkpoint_and_is_recorded(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(DIES_ONCE)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(name, None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "1",
+        str(script), str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["restart"] == 1 and result["step"] == 8
+    assert result["restored_from"].endswith("latest")  # the step-4 checkpoint, saved by the first attempt
+    records = [json.loads(line) for line in (Path(result["run_dir"]) / "metadata" / "attempts.jsonl").open()]
+    attempts = {}
+    for record in records:
+        attempts.setdefault(record["attempt"], []).append(record)
+    first, second = attempts.values()
+    assert {r["torchelastic_restart_count"] for r in first} == {0}
+    assert {r["torchelastic_restart_count"] for r in second} == {1}
+    assert first[-1]["state"] == "running" and first[-1]["step"] == 4  # died without a word after the save
+    # The restart resumed from step 4: its fit started there, and it finished at step 8.
+    assert next(r["step"] for r in second if r["state"] == "running") == 4
+    assert second[-1]["state"] == "finished" and second[-1]["step"] == 8

@@ -81,7 +81,7 @@ def test_same_config_and_code_land_in_the_same_run_dir(tmp_path, monkeypatch):
     info = second.run_info
     assert second.run_dir == first.run_dir
     assert info.code_id == sha[:7]
-    assert info.run_id == f"{sha[:7]}-{info.config_id}"
+    assert info.launch == "local1" and info.run_id == f"{sha[:7]}-{info.config_id}-local1"
     assert first.run_dir == tmp_path / "ws" / f"exp-{sha[:7]}" / info.run_id
     # The timestamp is per attempt; the directory is not.
     assert first.attempt_timestamp != second.attempt_timestamp
@@ -90,6 +90,7 @@ def test_same_config_and_code_land_in_the_same_run_dir(tmp_path, monkeypatch):
     meta = first.run_dir / "metadata"
     assert {p.name for p in meta.iterdir()} == {
         "config.full.yaml", "config.canonical.yaml", "config.diff.yaml", "git.yaml", "run.yaml", "attempts.jsonl",
+        "lease",
     }  # fmt: skip
     assert config_hash(read_yaml(meta / "config.canonical.yaml")) == info.config_id
 
@@ -162,8 +163,8 @@ def test_no_git(tmp_path):
     engine = make_engine(tmp_path / "ws", seed=0)  # conftest runs each test in its empty tmp dir
     info = engine.run_info
     assert info.code_id is None and info.git is None
-    assert info.run_id == info.config_id
-    assert engine.run_dir == tmp_path / "ws" / "exp" / info.config_id
+    assert info.run_id == f"{info.config_id}-local1"
+    assert engine.run_dir == tmp_path / "ws" / "exp" / info.run_id
     meta = engine.run_dir / "metadata"
     git_yaml = read_yaml(meta / "git.yaml")
     assert git_yaml["available"] is False and str(tmp_path) in git_yaml["reason"]
@@ -318,3 +319,47 @@ def test_two_gloo_ranks_only_rank0_writes(tmp_path):
     assert len(list((run_dir / "logs").glob("*.log"))) == 1
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3  # one writer: one line per logged step
+
+
+# -- the launch is part of the identity ---------------------------------------------------------
+
+
+def _train_digits_like(workspace: str, run_id: str | None) -> tuple[str, str | None, int, str]:
+    """One engine of a fixed config, trained to step 6 with checkpoints; on every rank of a launch."""
+    from cadence.callbacks import Checkpoint
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.TensorDataset(
+            torch.randn(48, 8, generator=torch.Generator().manual_seed(0)), torch.arange(48) % 4),
+        loss_fn=torch.nn.functional.cross_entropy, train={"batch_size": 4}, seed=3, steps=6,
+        workspace=workspace, lineage="digits", run_id=run_id, callbacks=[Checkpoint(auto_resume=True)],
+        device="cpu",
+    )  # fmt: skip
+    engine.fit()
+    engine.close()
+    return str(engine.run_dir), engine.restored_from, engine.state.step, engine.run_info.launch
+
+
+@pytest.mark.timeout(240)
+def test_another_world_size_is_another_run_unless_the_run_is_named(tmp_path):
+    """Defect 4 of issue 34: examples/ddp_digits.py reopened digits.py's one-process run ("resumed from step 460")."""
+    from cadence.launch import launch
+
+    workspace = str(tmp_path / "ws")
+    alone, restored, step, launch_id = _train_digits_like(workspace, None)
+    assert (restored, step, launch_id) == (None, 6, "local1") and alone.endswith("-local1")
+    # Two DDP processes with the same config: a run of their own, trained from scratch.
+    two, restored, step, launch_id = launch(
+        _train_digits_like, workspace, None, nprocs=2, start_method="fork", timeout=200
+    )
+    assert (restored, step, launch_id) == (None, 6, "ddp2")
+    assert two != alone and Path(two).parent == Path(alone).parent and two.endswith("-ddp2")
+    assert read_yaml(Path(two) / "metadata" / "run.yaml")["world_size"] == 2
+    # Asked for explicitly: the one-process run's id continues that run on two processes (resharded).
+    named, restored, step, _ = launch(
+        _train_digits_like, workspace, Path(alone).name, nprocs=2, start_method="fork", timeout=200
+    )
+    assert named == alone and restored is not None and Path(restored).parent.parent == Path(alone)
+    assert step == 6  # already at its end: restored, nothing left to train
