@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 
@@ -63,22 +64,25 @@ class S3Server:
     endpoint: str
     bucket: str
     env: dict[str, str]
+    _fs: Any = None
 
     def url(self, key: str = "") -> str:
         """`s3://<bucket>/<key>`."""
         return f"s3://{self.bucket}/{key.strip('/')}".rstrip("/")
 
-    def filesystem(self) -> object:
-        """A fresh s3fs filesystem on this server (no instance or listing cache)."""
+    def filesystem(self) -> Any:
+        """An s3fs filesystem on this server that caches no listing (one per server: making one takes a second)."""
         import s3fs
 
-        return s3fs.S3FileSystem(
-            key=self.env["AWS_ACCESS_KEY_ID"],
-            secret=self.env["AWS_SECRET_ACCESS_KEY"],
-            endpoint_url=self.endpoint,
-            skip_instance_cache=True,
-            use_listings_cache=False,
-        )
+        if self._fs is None:
+            self._fs = s3fs.S3FileSystem(
+                key=self.env["AWS_ACCESS_KEY_ID"],
+                secret=self.env["AWS_SECRET_ACCESS_KEY"],
+                endpoint_url=self.endpoint,
+                skip_instance_cache=True,
+                use_listings_cache=False,
+            )
+        return self._fs
 
 
 @contextlib.contextmanager
@@ -102,7 +106,7 @@ def s3_server(bucket: str = "cadence", *, timeout: float = 60.0) -> Iterator[S3S
         with _environment(env):
             _clear_instances()
             fs = server.filesystem()
-            fs.mkdir(bucket)  # type: ignore[attr-defined]
+            fs.mkdir(bucket)
             yield server
             _clear_instances()
     finally:

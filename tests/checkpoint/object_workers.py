@@ -1,0 +1,53 @@
+"""A training process for the object-storage kill tests: saves a 24 MB checkpoint to S3 at every step.
+
+Run as a script in a fresh interpreter (the test SIGKILLs it mid-upload)::
+
+    python tests/checkpoint/object_workers.py URL OUT ASYNC_MODE
+
+It auto-resumes and writes the step it resumed from to OUT before training.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import cadence
+from cadence.callbacks import Checkpoint
+
+
+class Report(cadence.Callback):
+    """Writes the step the run starts from (after the launch modes applied) to a file."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_start(self, engine: cadence.Engine) -> None:
+        Path(self.out).write_text(f"{engine.state.step} {engine.restored_from}")
+
+
+def main(url: str, out: str, async_mode: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 2048)  # 2 M parameters: 8 MB, and 16 MB of AdamW state
+    data = torch.utils.data.TensorDataset(torch.randn(64, 1024), torch.randn(64, 2048))
+    checkpoint = Checkpoint(dir=url, interval=1, keep_latest_k=1, auto_resume=True, async_mode=async_mode)
+    with cadence.Engine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        data,
+        loss_fn=torch.nn.functional.mse_loss,
+        callbacks=[checkpoint, Report(out)],
+        device="cpu",
+        seed=0,
+        steps=10_000,
+        log_interval=10_000,
+        train=cadence.DataConfig(batch_size=8),
+    ) as engine:
+        engine.fit()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
