@@ -32,13 +32,9 @@ import copy
 import json
 import logging
 import os
-import re
-import secrets
 import shutil
-import socket
 import tempfile
 import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -47,6 +43,7 @@ import xxhash
 
 from cadence.checkpoint import file_io
 from cadence.checkpoint.folders import MANIFEST, FolderStore
+from cadence.checkpoint.object_paths import ObjectPath, maybe_writing, new_id
 from cadence.checkpoint.store import CheckpointError, CheckpointStore
 
 logger = logging.getLogger("cadence.checkpoint")
@@ -54,65 +51,8 @@ logger = logging.getLogger("cadence.checkpoint")
 SAVES = ".saves"
 POINTER = "pointer.json"
 POINTER_FORMAT = "cadence-checkpoint-pointer"
-#: An unreferenced save without a manifest written from another host is removed by `sweep` after this many seconds.
-STALE_AFTER = 24 * 3600.0
-
-
-class ObjectPath:
-    """A URL that names like a `Path` does: `/`, `name`, `parent`, `str`, and `exists`/`is_dir`/`iterdir` through fsspec.
-
-    What callers of the store contract do with `store.directory` and
-    `store.path(name)` (name them, join them, list a folder, test for a
-    name); not a `pathlib.Path`, which would fold `s3://` into `s3:/`.
-    """
-
-    def __init__(self, url: str, fs: Any) -> None:
-        self.url, self.fs = url.rstrip("/"), fs
-
-    def __str__(self) -> str:
-        return self.url
-
-    def __repr__(self) -> str:
-        return f"ObjectPath({self.url!r})"
-
-    def __fspath__(self) -> str:
-        return self.url
-
-    def __eq__(self, other: object) -> bool:
-        return str(other) == self.url
-
-    def __hash__(self) -> int:
-        return hash(self.url)
-
-    def __truediv__(self, part: str) -> ObjectPath:
-        return ObjectPath(f"{self.url}/{part}", self.fs)
-
-    @property
-    def name(self) -> str:
-        return self.url.rsplit("/", 1)[-1]
-
-    @property
-    def parent(self) -> ObjectPath:
-        return ObjectPath(self.url.rsplit("/", 1)[0], self.fs)
-
-    def expanduser(self) -> ObjectPath:
-        return self
-
-    def absolute(self) -> ObjectPath:
-        return self
-
-    def exists(self) -> bool:
-        return bool(self.fs.exists(self.url))
-
-    def is_dir(self) -> bool:
-        return bool(self.fs.isdir(self.url))
-
-    def is_file(self) -> bool:
-        return bool(self.fs.isfile(self.url))
-
-    def iterdir(self) -> Iterator[ObjectPath]:
-        for entry in sorted(self.fs.ls(self.url, detail=False)):
-            yield ObjectPath(self.fs.unstrip_protocol(entry), self.fs)
+#: Files up to this size are downloaded with a manifest (`manifest()`); larger ones when verified or read.
+SMALL = 1 << 20
 
 
 class _Shared:
@@ -246,8 +186,7 @@ class ObjectStore(CheckpointStore):
     # -- writing (the subclasses' `write` frames `_upload`) ---------------------------------------
 
     def _new_id(self, name: str) -> str:
-        """`<ms since epoch>-<pid>-<token>-<name>-<host>`: unique, in time order, and says who writes it."""
-        return f"{int(time.time() * 1000):013d}-{os.getpid()}-{secrets.token_hex(4)}-{name}-{_host()}"
+        return new_id(name)
 
     @contextlib.contextmanager
     def _staging(self, save: str) -> Iterator[FolderStore]:
@@ -280,7 +219,11 @@ class ObjectStore(CheckpointStore):
         return self._local() / f"cache-{os.getpid()}"
 
     def _fetch(self, name: str, files: bool) -> tuple[str, FolderStore]:
-        """Download `name`'s save (its manifest only, or every file) into this process's cache; the local store there."""
+        """Download `name`'s save into this process's cache; the local store there.
+
+        `files=False`: the manifest and the small files (up to `SMALL` bytes: the local store's manifest checks
+        may read them, such as DCP's `.metadata`); True: every file.
+        """
         save = self.target(name)
         if save is None:
             known = ", ".join(self.names()) or "none"
@@ -296,16 +239,19 @@ class ObjectStore(CheckpointStore):
                 self.fs.get_file(f"{remote}/{MANIFEST}", str(local / MANIFEST))
             except FileNotFoundError:
                 raise CheckpointError(FolderStore.NO_MANIFEST, path=self.path(name)) from None
-        if files:
-            listed = json.loads((local / MANIFEST).read_bytes()).get("files", {})
-            wanted = [
-                f
-                for f, entry in listed.items()
-                if not (local / f).is_file() or (local / f).stat().st_size != entry.get("size")
-            ]
-            if wanted:
-                with contextlib.suppress(FileNotFoundError):  # a missing file: the local store names it
-                    self.fs.get([f"{remote}/{f}" for f in wanted], [str(local / f) for f in wanted])
+        try:
+            listed = json.loads((local / MANIFEST).read_bytes())["files"]
+            sizes = {f: int(entry["size"]) for f, entry in listed.items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            sizes = {}  # a damaged manifest: the local store reports it
+        wanted = [
+            f
+            for f, size in sizes.items()
+            if (files or size <= SMALL) and (not (local / f).is_file() or (local / f).stat().st_size != size)
+        ]
+        if wanted:
+            with contextlib.suppress(FileNotFoundError):  # a missing file: the local store names it
+                self.fs.get([f"{remote}/{f}" for f in wanted], [str(local / f) for f in wanted])
         return save, cast(FolderStore, self.inner.at(cache))
 
     def _reading(self, name: str, files: bool, work: Any) -> Any:
@@ -370,7 +316,7 @@ class ObjectStore(CheckpointStore):
         with self._shared.lock:
             active = set(self._shared.active)
         for save, complete in sorted(self._saves().items()):
-            if save in referenced or save in active or (not complete and _maybe_writing(save)):
+            if save in referenced or save in active or (not complete and maybe_writing(save)):
                 continue
             self.fs.rm(self._save_url(save), recursive=True)
             removed.append(f"{SAVES}/{save}")
@@ -381,7 +327,7 @@ class ObjectStore(CheckpointStore):
                 shutil.rmtree(entry, ignore_errors=True)
         stage = local / "stage"
         for entry in sorted(stage.iterdir()) if stage.is_dir() else ():
-            if entry.name.startswith(".") or entry.name in active or _maybe_writing(entry.name):
+            if entry.name.startswith(".") or entry.name in active or maybe_writing(entry.name):
                 continue
             shutil.rmtree(entry, ignore_errors=True)
         if stage.is_dir():
@@ -402,19 +348,3 @@ class ObjectStore(CheckpointStore):
             f"not a checkpoint: no {name}/{POINTER} (a name) or latest/{POINTER} (a checkpoint folder) there",
             path=url,
         )
-
-
-def _maybe_writing(save: str) -> bool:
-    """Whether a live process may still be writing `save` (its id names the host, the pid and the time)."""
-    parts = save.split("-", 3)
-    if len(parts) < 4 or not parts[0].isdigit() or not parts[1].isdigit():
-        return False
-    started, pid = int(parts[0]) / 1000, int(parts[1])
-    if parts[3].endswith(f"-{_host()}"):
-        return pid != os.getpid() and file_io.alive(pid)
-    return time.time() - started < STALE_AFTER
-
-
-def _host() -> str:
-    """This host's name as a checkpoint name allows (letters, digits, '-', '_')."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())

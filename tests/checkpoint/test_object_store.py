@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from cadence.checkpoint import object_paths
 from cadence.checkpoint.deepspeed_store import DeepSpeedStore
 from cadence.checkpoint.file_store import FileStore
 from cadence.checkpoint.object_file import ObjectFileStore
@@ -141,7 +142,7 @@ def test_sweep_removes_unreferenced_saves_but_not_one_a_live_process_writes(s3_s
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         stamp = int(time.time() * 1000)
-        host = store._new_id("x").rsplit("-", 1)[-1]  # this host, as ids spell it
+        host = object_paths.host()  # this host, as ids spell it
         dead = f"{stamp:013d}-{2**22 + 17}-00000000-latest-{host}"  # no such pid
         writing = f"{stamp:013d}-{live.pid}-00000001-latest-{host}"
         orphan = f"{stamp:013d}-{os.getpid()}-00000002-latest-{host}"  # complete, but no name points at it
