@@ -159,6 +159,7 @@ def test_sweep_removes_unreferenced_saves_but_not_one_a_live_process_writes(s3_s
     assert store.sweep() == [f"{SAVES}/{writing}"]  # its writer is gone
 
 
+@pytest.mark.timeout(600)  # two fresh interpreters per case; minutes on a loaded machine
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_sigkill_during_uploads_never_shows_a_partial_checkpoint_and_auto_resume_falls_back(
     tmp_path: Path, s3_server: S3Server, async_mode: str
@@ -181,7 +182,7 @@ def test_sigkill_during_uploads_never_shows_a_partial_checkpoint_and_auto_resume
                 new = [done for save, done in saves(s3_server, url).items() if save not in before]
                 if out.exists() and any(new) and not all(new):  # one save committed, the next being uploaded
                     break
-                time.sleep(0.02)
+                time.sleep(0.1)
             assert child.poll() is None, f"the training process exited ({child.returncode}) before it was killed"
             time.sleep(0.05 * round_)  # at different points of the upload
         finally:
