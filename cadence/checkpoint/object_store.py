@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -45,8 +44,6 @@ from cadence.checkpoint import file_io
 from cadence.checkpoint.folders import MANIFEST, FolderStore
 from cadence.checkpoint.object_paths import ObjectPath, maybe_writing, new_id
 from cadence.checkpoint.store import CheckpointError, CheckpointStore
-
-logger = logging.getLogger("cadence.checkpoint")
 
 SAVES = ".saves"
 POINTER = "pointer.json"
@@ -66,8 +63,10 @@ class _Shared:
 class ObjectStore(CheckpointStore):
     """A local folder store's checkpoints kept on object storage (see the module docstring).
 
-    Subclasses say which local store (`ObjectFileStore`, `ObjectDCPStore`) and
-    how ranks agree on a save (`_agree`, `_after_upload`).
+    Subclasses write (`ObjectFileStore`: the main process; `ObjectDCPStore`: every
+    rank writes its shards, the main rank uploads) with the pieces here: a new
+    save id (`_new_id`), the local store in the staging folder (`_staging`), the
+    upload with the manifest last (`_upload`), the pointer (`_point`).
 
     Args:
         inner: the local store that writes and reads one save's files.
@@ -88,7 +87,7 @@ class ObjectStore(CheckpointStore):
         super().__init__(None)
         self.inner = copy.copy(inner)
         self.inner.durable = False  # the staged copy is uploaded, then removed: nothing to fsync
-        self.scratch = None if scratch is None else Path(scratch)
+        self.scratch = None if scratch is None else Path(scratch)  # None: one folder per URL (`_local`)
         self.storage_options = dict(storage_options or {})
         self.fs: Any = None
         self._shared = _Shared()
@@ -96,9 +95,15 @@ class ObjectStore(CheckpointStore):
             self._open(directory)
 
     def _open(self, url: str) -> None:
-        import fsspec
+        try:
+            import fsspec
 
-        self.fs, _ = fsspec.core.url_to_fs(url, **self.storage_options)
+            self.fs, _ = fsspec.core.url_to_fs(url, **self.storage_options)
+        except ImportError as exc:
+            raise ImportError(
+                f"checkpoints at {url!r} need fsspec and the filesystem of its scheme ({exc}); "
+                "for s3:// install the extra: pip install 'cadence[s3]'"
+            ) from exc
         self.directory = cast(Path, ObjectPath(url, self.fs))  # names like a Path (ObjectPath)
 
     def at(self, directory: str | os.PathLike[str]) -> ObjectStore:
@@ -121,10 +126,11 @@ class ObjectStore(CheckpointStore):
         return f"{self.url}/{SAVES}/{save}"
 
     def _local(self) -> Path:
-        if self.scratch is None:
-            key = xxhash.xxh3_64_hexdigest(self.url.encode())
-            self.scratch = Path(tempfile.gettempdir()) / f"cadence-objects-{os.getuid()}" / key
-        return self.scratch
+        """The local folder of this URL's staging and cache (the ranks of one host share it)."""
+        if self.scratch is not None:
+            return self.scratch
+        key = xxhash.xxh3_64_hexdigest(self.url.encode())
+        return Path(tempfile.gettempdir()) / f"cadence-objects-{os.getuid()}" / key
 
     # -- pointers and saves -------------------------------------------------------------------
 
@@ -236,9 +242,11 @@ class ObjectStore(CheckpointStore):
                     shutil.rmtree(other, ignore_errors=True)  # keep one save's files
             local.mkdir(parents=True, exist_ok=True)
             try:
-                self.fs.get_file(f"{remote}/{MANIFEST}", str(local / MANIFEST))
+                raw = self.fs.cat_file(f"{remote}/{MANIFEST}")
             except FileNotFoundError:
                 raise CheckpointError(FolderStore.NO_MANIFEST, path=self.path(name)) from None
+            (local / ".manifest.part").write_bytes(raw)
+            os.replace(local / ".manifest.part", local / MANIFEST)  # the cache never holds part of a manifest
         try:
             listed = json.loads((local / MANIFEST).read_bytes())["files"]
             sizes = {f: int(entry["size"]) for f, entry in listed.items()}
@@ -307,16 +315,16 @@ class ObjectStore(CheckpointStore):
     def sweep(self) -> list[str]:
         """Remove saves no pointer refers to (interrupted uploads, superseded saves a crash left), and stale local copies.
 
-        A save without a manifest that another live process of this host is
-        writing is left alone, and one from another host until it is
-        `STALE_AFTER` seconds old.
+        A save another live process of this host is writing or committing is
+        left alone, and one from another host until it is `STALE_AFTER`
+        seconds old.
         """
         removed = []
         referenced = set(self._pointers().values())
         with self._shared.lock:
             active = set(self._shared.active)
-        for save, complete in sorted(self._saves().items()):
-            if save in referenced or save in active or (not complete and maybe_writing(save)):
+        for save in sorted(self._saves()):
+            if save in referenced or save in active or maybe_writing(save):
                 continue
             self.fs.rm(self._save_url(save), recursive=True)
             removed.append(f"{SAVES}/{save}")
