@@ -91,8 +91,7 @@ def main() -> None:
             raws.append(took["raw"])
             ratios.append(took["raw"] / took["save"])
             print(
-                f"repeat {repeat}: save {took['save']:.3f} s, raw PUT {took['raw']:.3f} s, "
-                f"rate ratio {ratios[-1]:.3f}",
+                f"repeat {repeat}: save {took['save']:.3f} s, raw PUT {took['raw']:.3f} s, rate ratio {ratios[-1]:.3f}",
                 flush=True,
             )
         assert store.names() == ["latest"] and store.read("latest")["meta"]["step"] == 1
