@@ -26,6 +26,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -71,9 +72,9 @@ def main() -> None:
     data = payload(args.mb)
     size = nbytes(data)
     raw_bytes = os.urandom(size)
-    with s3_server() as server:
+    with s3_server() as server, tempfile.TemporaryDirectory() as scratch:
         fs = server.filesystem()
-        store = ObjectFileStore(FileStore(), server.url("bench/checkpoints"))
+        store = ObjectFileStore(FileStore(), server.url("bench/checkpoints"), scratch=scratch)
         store.write("latest", data)  # warm: the connection pool, the staging folder
         fs.pipe_file(server.url("bench/raw"), raw_bytes)
         ratios, saves, raws = [], [], []
