@@ -90,7 +90,12 @@ def main() -> None:
         smoke()
         args.repeats = 1
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from cadence.backends.flight_recorder import BUFFER_VARIABLES
     from cadence.launch import launch
+
+    for name in BUFFER_VARIABLES:  # a size in the environment wins over flight_recorder=: on and off would be one
+        if os.environ.pop(name, None) is not None:
+            print(f"{name} unset for this benchmark: it compares the recorder on and off itself", flush=True)
 
     results: dict[int, list[dict[str, float]]] = {ENTRIES: [], 0: []}
     for i in range(args.repeats):

@@ -353,7 +353,7 @@ def accumulation_rows(setup: Setup) -> list[dict[str, Any]]:
     if not setup.smoke and gpus < 2:
         return [{"row": "accumulation", "note": f"needs 2 GPUs (FSDP2 over 2 ranks); {gpus} visible"}]
     config = attrs.asdict(setup.config)
-    method = "spawn" if setup.cuda else "fork"  # a CUDA parent cannot fork CUDA workers
+    method = "spawn"  # a CUDA parent cannot fork; and by now this process ran groups and async-save threads
     got = launch(gpu_large.accumulation_worker, config, setup.smoke, nprocs=2, start_method=method, timeout=900)
     rows = []
     for mode, r in got.items():

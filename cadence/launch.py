@@ -274,7 +274,9 @@ def _failure(processes: list[Any], workdir: Path, exited: int) -> WorkerError:
         with contextlib.suppress(Exception), path.open("rb") as fh:
             reports.append(pickle.load(fh))
     nprocs = len(processes)
-    if not reports:
+    if not any(r["rank"] == exited for r in reports):
+        # The rank seen exiting first left no report: it died outside Python (killed, a segfault, os._exit),
+        # and the others' errors ("Connection reset by peer") are its consequence, not the cause.
         code = processes[exited].exitcode
         if code == 0:
             how = "exited with code 0 but returned no result (interrupted?)"
@@ -282,9 +284,11 @@ def _failure(processes: list[Any], workdir: Path, exited: int) -> WorkerError:
             how = f"was killed by signal {signal.Signals(-code).name}"
         else:
             how = f"exited with code {code}"
+        then = min(reports, key=lambda r: r["time"]) if reports else None
+        after = f"; then rank {then['rank']} failed: {then['exc_type']}: {then['message']}" if then else ""
         return WorkerError(
             f"rank {exited} of {nprocs} {how} without raising a Python exception "
-            "(out of memory, a segfault, or os._exit); see its output above",
+            f"(out of memory, a segfault, or os._exit); see its output above{after}",
             rank=exited,
             exitcode=code,
         )

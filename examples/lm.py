@@ -43,7 +43,7 @@ import sysconfig
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -470,6 +470,79 @@ class Transformer(nn.Module):
 
 
 # -- the data ------------------------------------------------------------------------------
+
+
+class HFLlama:
+    """Names of Hugging Face's Llama layout for this decoder (a key mapping, see cadence.checkpoint.hf).
+
+    `cadence export CKPT --to hf --mapping examples/lm.py:HFLlama OUT` writes
+    `config.json` (LlamaForCausalLM) and the weights under Llama's names;
+    `Checkpoint(pretrained=OUT, pretrained_mapping="examples/lm.py:HFLlama")`
+    loads them back. Names only: `rotate` pairs (even, odd) channels, as
+    Meta's Llama code does, where transformers' Llama rotates halves, so
+    transformers needs wq and wk rows permuted (as its own Llama conversion
+    script does) before it computes the same attention. Mixture-of-experts
+    blocks have no Llama name and are left out.
+    """
+
+    PARTS: ClassVar[dict[str, str]] = {
+        "attention.wq": "self_attn.q_proj",
+        "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj",
+        "attention.wo": "self_attn.o_proj",
+        "feed_forward.w1": "mlp.gate_proj",
+        "feed_forward.w3": "mlp.up_proj",
+        "feed_forward.w2": "mlp.down_proj",
+        "attention_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
+    WHOLE: ClassVar[dict[str, str]] = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+
+    def to_hf(self, key: str) -> str | None:
+        if key in self.WHOLE:
+            return self.WHOLE[key]
+        parts = key.split(".")
+        if len(parts) >= 4 and parts[0] == "layers":
+            inner, last = ".".join(parts[2:-1]), parts[-1]
+            if inner in self.PARTS:
+                return f"model.layers.{parts[1]}.{self.PARTS[inner]}.{last}"
+        return None
+
+    def from_hf(self, name: str) -> str | None:
+        back = {v: k for k, v in self.WHOLE.items()}
+        if name in back:
+            return back[name]
+        parts = name.split(".")
+        if len(parts) >= 5 and parts[:2] == ["model", "layers"]:
+            inner, last = ".".join(parts[3:-1]), parts[-1]
+            ours = {v: k for k, v in self.PARTS.items()}.get(inner)
+            if ours is not None:
+                return f"layers.{parts[2]}.{ours}.{last}"
+        return None
+
+    def hf_config(self, payload: dict[str, Any]) -> dict[str, Any]:
+        model = ((payload.get("config") or {}).get("run") or {}).get("model") or {}
+        shape = ModelConfig(**{k: v for k, v in model.items() if k in attrs.fields_dict(ModelConfig)})
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": shape.dim,
+            "num_hidden_layers": shape.n_layers,
+            "num_attention_heads": shape.n_heads,
+            "num_key_value_heads": shape.n_kv_heads,
+            "intermediate_size": shape.ffn_hidden,
+            "vocab_size": shape.vocab,
+            "max_position_embeddings": shape.seq_len,
+            "rope_theta": shape.rope_theta,
+            "rms_norm_eps": shape.norm_eps,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
 
 
 @attrs.define(kw_only=True)

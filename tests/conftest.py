@@ -192,6 +192,20 @@ def _run_in_tmp_cwd(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    # Backends set process-wide variables torch reads once (the flight recorder's size,
+    # DeepSpeed's MASTER_ADDR/RANK in one process): harmless in a training process, but
+    # in this one every later test's subprocesses and forked workers would inherit them
+    # (a benchmark's recorder-off run then recorded, CI run of d0fdb77). Each test gets
+    # the environment it started with back.
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_signal_handlers():
     # Forked workers inherit the test process's handlers: a test that leaves
     # one behind changes what later tests' workers do on a signal.

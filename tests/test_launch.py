@@ -115,6 +115,25 @@ def test_worker_that_dies_without_exception_is_reported():
     assert info.value.exitcode == 7
 
 
+def test_a_rank_killed_outside_python_is_the_cause_not_the_rank_that_errors_after_it():
+    # CI of d0fdb77: rank 0 died without a report and the error named rank 1's "Connection reset by peer".
+    import signal
+
+    import torch.distributed as dist
+
+    def die_then_reset():
+        dist.init_process_group("gloo")
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()  # rank 1 waits for the dead rank, then raises
+
+    with pytest.raises(WorkerError) as info:
+        launch(die_then_reset, nprocs=2, start_method="fork", timeout=60)
+    message = str(info.value)
+    assert info.value.rank == 0 and message.startswith("rank 0 of 2 was killed by signal SIGKILL"), message
+    assert "; then rank 1 failed: " in message
+
+
 def test_timeout_kills_every_worker(tmp_path):
     def hang():
         Path(tmp_path, f"{os.environ['RANK']}.pid").write_text(str(os.getpid()))

@@ -71,9 +71,15 @@ class CheckpointConfig:
         save_on_fit_end: save `latest` when fit ends.
         resume: a checkpoint (or a checkpoint folder) to restore in full.
         auto_resume: restore this run's `latest` if it exists (falling back to the newest complete snapshot).
-        pretrained: a checkpoint, or a file saved with torch.save, to load model weights from.
+        pretrained: a checkpoint, a file saved with torch.save, a safetensors file or folder, or a
+            Hugging Face folder, to load model weights from.
         pretrained_exclude: fnmatch patterns of model keys not loaded from `pretrained`.
-        strict: missing/unexpected model keys and callback states, and an incompatible config, are errors.
+        pretrained_mapping: a key mapping for safetensors names (`module:NAME` or `file.py:NAME`, see
+            `cadence.checkpoint.hf`; e.g. `examples/lm.py:HFLlama`).
+        params: "all", or "trainable": save and restore only the parameters with `requires_grad` (and their
+            optimizer state): an adapter. `pretrained` then applies first, and a resume loads the adapter over it.
+        strict: unexpected model keys, missing/unexpected callback states and an incompatible config are errors
+            (model keys missing from the checkpoint always are: exclude them with `pretrained_exclude`).
         drain_timeout: seconds teardown waits for background writes.
         barrier_timeout: seconds the other ranks wait for the main process to write.
     """
@@ -96,6 +102,8 @@ class CheckpointConfig:
     auto_resume: bool = False
     pretrained: str | None = None
     pretrained_exclude: list[str] = attrs.field(factory=list)
+    pretrained_mapping: str | None = None
+    params: Literal["all", "trainable"] = "all"
     strict: bool = True
     drain_timeout: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
     barrier_timeout: float = attrs.field(default=1800.0, validator=attrs.validators.gt(0))
@@ -188,6 +196,7 @@ class Checkpoint(Callback):
         self.saver = Saver(
             self.store, backend, keep_latest_k=config.keep_latest_k, barrier_timeout=config.barrier_timeout
         )
+        self.saver.params = config.params
         self.saver.sweep()
 
     def on_setup(self, engine: Engine) -> None:
@@ -198,14 +207,27 @@ class Checkpoint(Callback):
                 "checkpoint: state already restored from %s; resume/auto_resume/pretrained not applied",
                 engine.restored_from,
             )
-        elif config.resume:
+            return
+        base_first = config.params == "trainable" and bool(config.pretrained) and (config.resume or config.auto_resume)
+        if base_first:
+            self._load_pretrained(engine)  # the frozen base weights; the adapter loads over them
+        if config.resume:
             load_checkpoint(engine, config.resume, strict=config.strict)
         elif config.auto_resume and auto_resume(engine, self.store, strict=config.strict):
             pass  # this run's latest was restored: a pretrained model does not apply
-        elif config.pretrained:
-            load_pretrained_weights(
-                engine, self.store, config.pretrained, exclude=config.pretrained_exclude, strict=config.strict
-            )
+        elif config.pretrained and not base_first:
+            self._load_pretrained(engine)
+
+    def _load_pretrained(self, engine: Engine) -> None:
+        config = self.config
+        load_pretrained_weights(
+            engine,
+            self.store,
+            config.pretrained or "",
+            exclude=config.pretrained_exclude,
+            strict=config.strict,
+            mapping=config.pretrained_mapping,
+        )
 
     # -- when to save ---------------------------------------------------------------------
 

@@ -77,19 +77,85 @@ def check_checksum(folder: Path, manifest: dict[str, Any], file: str) -> None:
         )
 
 
-def skeleton(folder: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
-    """The main rank's objects, with this rank's own entries over them (where it saved some)."""
+def skeleton(
+    folder: Path, manifest: dict[str, Any], rank: int, template: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The main rank's objects, with this rank's own entries over them, and the model keys of other ranks it needs.
+
+    Ranks of a pipeline hold different model keys (each its stages'), saved in
+    their own objects files. A reader whose model wants keys this rank's
+    objects lack (one process or another layout reading a pipeline
+    checkpoint) takes them, with their optimizer state, from the ranks that
+    saved them; with no template (export), every rank's keys are taken.
+    """
     step = manifest.get("step")
-    parts = [OBJECTS] + ([objects_file(rank)] if objects_file(rank) in manifest["files"] else [])
-    out: dict[str, Any] = {}
-    for part in parts:
-        try:
-            loaded = torch.load(folder / part, weights_only=True, map_location="cpu")
-        except Exception as exc:
-            raise CheckpointError(f"cannot unpickle {part}: {exc}", path=folder, step=step) from exc
-        if not isinstance(loaded, dict):
-            raise CheckpointError(f"{part} holds no payload structure", path=folder, step=step)
-        out.update(loaded)
+    files = manifest["files"]
+    per_rank = sorted(f for f in files if f.startswith("objects-"))
+    out = _load_objects(folder, OBJECTS, step)
+    if objects_file(rank) in files:
+        out.update(_load_objects(folder, objects_file(rank), step))
+    model = out.get("model")
+    if not per_rank or not isinstance(model, dict):
+        return out
+    others = [OBJECTS, *(f for f in per_rank if f != objects_file(rank))]  # the main rank's too: ours replaced it
+    wanted = None
+    if template is not None:
+        live = template.get("model")
+        wanted = set(live) - set(model) if isinstance(live, Mapping) else set()
+        if not wanted:
+            return out
+    out = dict(out, model=dict(model))
+    for part in others:
+        other = _load_objects(folder, part, step)
+        theirs = other.get("model")
+        if not isinstance(theirs, dict):
+            continue
+        taken = [k for k in theirs if k not in out["model"] and (wanted is None or k in wanted)]
+        for key in taken:
+            out["model"][key] = theirs[key]
+        if taken:
+            out["optimizers"] = _merge_optimizers(out.get("optimizers"), other.get("optimizers"), taken)
+            out["callbacks"] = _merge_missing(out.get("callbacks"), other.get("callbacks"))
+    return out
+
+
+def _load_objects(folder: Path, part: str, step: Any) -> dict[str, Any]:
+    try:
+        loaded = torch.load(folder / part, weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise CheckpointError(f"cannot unpickle {part}: {exc}", path=folder, step=step) from exc
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{part} holds no payload structure", path=folder, step=step)
+    return loaded
+
+
+def _merge_optimizers(mine: Any, theirs: Any, keys: list[str]) -> Any:
+    """Optimizer states keyed by parameter name (DCP's): the entries and group members of `keys` added to `mine`."""
+    if not isinstance(mine, list) or not isinstance(theirs, list) or len(mine) != len(theirs):
+        return mine
+    wanted, merged = set(keys), []
+    for own, other in zip(mine, theirs):
+        if not isinstance(own, dict) or not isinstance(other, dict):
+            merged.append(own)
+            continue
+        state = dict(own.get("state", {}))
+        state.update({k: v for k, v in other.get("state", {}).items() if k in wanted and k not in state})
+        groups = [dict(g) for g in own.get("param_groups", [])]
+        for group, extra in zip(groups, other.get("param_groups", [])):
+            group["params"] = list(group["params"]) + [
+                p for p in extra.get("params", []) if p in wanted and p not in group["params"]
+            ]
+        merged.append({**own, "state": state, "param_groups": groups})
+    return merged
+
+
+def _merge_missing(mine: Any, theirs: Any) -> Any:
+    """`mine` with the dict entries only `theirs` has (recursively)."""
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return mine
+    out = dict(mine)
+    for key, value in theirs.items():
+        out[key] = _merge_missing(out[key], value) if key in out else value
     return out
 
 

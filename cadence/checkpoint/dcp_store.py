@@ -351,12 +351,12 @@ class DCPStore(FolderStore, AsyncCheckpointStore):
             self._check_sizes(folder, manifest, files)
             for file in sorted(files)[rank::world]:  # each rank hashes its share
                 dcp_read.check_checksum(folder, manifest, file)
-            objects = dcp_read.skeleton(folder, manifest, rank)
+            if template is None:
+                template = self.template() if callable(self.template) else self.template
+            objects = dcp_read.skeleton(folder, manifest, rank, template)
             if keys is not None:
                 wanted = set(keys) | {"format", "version", "meta"}
                 objects = {k: v for k, v in objects.items() if k in wanted}
-            if template is None:
-                template = self.template() if callable(self.template) else self.template
             destinations = dcp_read.destinations(folder, manifest, objects, template, self.load_in_place)
         except CheckpointError as exc:
             problem = (dcp_commit.message(exc), exc.path, exc.step)

@@ -135,7 +135,10 @@ class DeepSpeedStore(FolderStore):
                 error = exc
         self._agree_on_error(error, f"preparing {tmp}", step)
         client = {CLIENT_KEY: {k: v for k, v in payload.items() if k not in ("model", "optimizers")}}
-        backend.ds.save_checkpoint(str(directory), tag=tag, client_state=client, save_latest=False)
+        adapter = meta.get("params") == "trainable"  # Checkpoint(params="trainable"): frozen weights left out
+        backend.ds.save_checkpoint(
+            str(directory), tag=tag, client_state=client, save_latest=False, exclude_frozen_parameters=adapter
+        )
         manifest: dict[str, Any] = {}
         if self._main:
             try:
@@ -169,6 +172,7 @@ class DeepSpeedStore(FolderStore):
             "data_size": self.backend.data_size,
             "world_size": self.backend.world_size,
             "precision": self.backend.precision_name,
+            "params": meta.get("params", "all"),
             "files": files,
         }
         manifest["manifest_xxh3"] = manifest_checksum(manifest)
@@ -267,6 +271,7 @@ class DeepSpeedStore(FolderStore):
                 path, states = ds.load_checkpoint(
                     str(self._folder()),
                     tag=name,
+                    load_module_strict=manifest.get("params", "all") != "trainable",
                     load_module_only=module_only,
                     load_optimizer_states=not module_only,
                     load_lr_scheduler_states=False,
@@ -287,6 +292,22 @@ class DeepSpeedStore(FolderStore):
             keep = wanted | {"format", "version", "meta", RESTORED_BY_STORE}
             payload = {k: v for k, v in payload.items() if k in keep}
         return payload
+
+    @classmethod
+    def for_reading(cls) -> DeepSpeedStore:
+        """A store for `manifest`, `verify` and `read_whole` without a DeepSpeed engine."""
+        return cls(backend=None)
+
+    def read_whole(self, name: str) -> dict[str, Any]:
+        """Without an engine: the payload with the whole module weights (ZeRO's fp32 masters); no optimizer state."""
+        manifest = self.manifest(name)
+        folder = self.path(name)
+        client = self._client_state(folder, manifest, rank=0)
+        if not isinstance(client, Mapping):
+            raise CheckpointError(
+                "it holds no Cadence payload in its client state", path=folder, step=manifest.get("step")
+            )
+        return {**client, "model": self._full_weights(folder, manifest), "optimizers": []}
 
     def _check_fits(self, name: str, manifest: Mapping[str, Any], module_only: bool) -> None:
         """Cadence's own error for what DeepSpeed cannot load: a changed ZeRO stage or data-parallel degree."""
@@ -327,10 +348,10 @@ class DeepSpeedStore(FolderStore):
                 step=manifest.get("step"),
             ) from exc
 
-    def _client_state(self, folder: Path, manifest: Mapping[str, Any]) -> Any:
+    def _client_state(self, folder: Path, manifest: Mapping[str, Any], rank: int | None = None) -> Any:
         import torch
 
-        rank = min(self.backend.data_rank, int(manifest.get("data_size") or 1) - 1)
+        rank = min(self.backend.data_rank if rank is None else rank, int(manifest.get("data_size") or 1) - 1)
         file = (
             f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
             if manifest.get("zero_stage") == 3

@@ -192,10 +192,30 @@ def candidates(store: CheckpointStore) -> list[str]:
 
 
 def load_pretrained_weights(
-    engine: Engine, own: CheckpointStore, pretrained: str, *, exclude: list[str], strict: bool
+    engine: Engine,
+    own: CheckpointStore,
+    pretrained: str,
+    *,
+    exclude: list[str],
+    strict: bool,
+    mapping: Any = None,
 ) -> None:
-    """Load model weights from `pretrained`: a file saved with torch.save, or a checkpoint (of any store)."""
+    """Load model weights from `pretrained`: a safetensors file or folder (a Hugging Face folder), a file saved
+    with torch.save, or a checkpoint (of any store). `mapping`: a key mapping (`cadence.checkpoint.hf`)."""
+    from cadence.checkpoint import safetensors_io
+
     path = Path(str(pretrained)).expanduser()
+    if safetensors_io.is_safetensors(path):
+        from cadence.checkpoint.weights_in import read_model_state
+
+        state = read_model_state(engine, path, mapping=mapping, exclude=exclude)
+        load_pretrained(engine, state, strict=strict, exclude=exclude, source=str(path))
+        return
+    if mapping is not None:
+        raise ValueError(
+            f"Checkpoint(pretrained_mapping=...): key mappings apply to safetensors and Hugging Face folders, "
+            f"not to {path}"
+        )
     if path.is_file():  # weights saved with torch.save
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)

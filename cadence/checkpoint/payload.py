@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from cadence.checkpoint.params import recorded, select
 from cadence.checkpoint.store import FORMAT, VERSION, CheckpointError
 from cadence.engine.events import Event
 from cadence.engine.state import State, capture_rng, restore_rng
@@ -52,11 +53,12 @@ def stateful_callbacks(engine: Engine) -> dict[str, Any]:
     return found
 
 
-def build_payload(engine: Engine, *, model: bool = True) -> dict[str, Any]:
+def build_payload(engine: Engine, *, model: bool = True, params: str = "all") -> dict[str, Any]:
     """Everything a bitwise resume needs, as references (no copies).
 
     `model=False` leaves model and optimizer states out (empty) for a store
-    that saves them itself (`CheckpointStore.restores_model`).
+    that saves them itself (`CheckpointStore.restores_model`); `params="trainable"`
+    keeps only trainable parameters (`cadence.checkpoint.params`).
 
     A collective: every rank must call it. The train position is gathered
     over the data domain (one entry per data rank, indexed by `data_rank` on
@@ -72,6 +74,7 @@ def build_payload(engine: Engine, *, model: bool = True) -> dict[str, Any]:
     positions = backend.all_gather_object(position, domain="data") if backend.data_size > 1 else [position]
     rngs = backend.all_gather_object(rng, domain="optimizer") if backend.world_size > 1 else [rng]
     run_config = engine.run_config
+    weights = backend.model_state_dict(engine) if model else {n: None for n, _ in engine.model.named_parameters()}
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -83,9 +86,11 @@ def build_payload(engine: Engine, *, model: bool = True) -> dict[str, Any]:
             "data_size": backend.data_size,
             "backend": backend.name,
             "time": time.time(),
+            "params": params,
+            "trainable": recorded(engine, weights),
         },
         "engine": state,
-        "model": backend.model_state_dict(engine) if model else {},
+        "model": select(engine, weights, params) if model else {},
         "optimizers": backend.optimizer_state_dicts(engine) if model else [],
         "schedulers": [scheduler.state_dict() for scheduler in engine.schedulers],
         "data": {"train": positions} if any(p is not None for p in positions) else {},
@@ -128,8 +133,10 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
     other callbacks. Everything is validated first (keys, shapes, counts,
     config, callback states); a problem raises `CheckpointError` naming
     `source` and the step, with the engine untouched. `strict=False` turns
-    missing/unexpected model keys and callback states, and config changes
-    that void the data position, into warnings. A payload marked
+    unexpected model keys, missing/unexpected callback states, and config
+    changes that void the data position, into warnings; model keys missing
+    from the checkpoint are always an error (those weights would stay at
+    their initialization). A payload marked
     `restored_by_store` (the DeepSpeed store's `read` loaded model and
     optimizer through DeepSpeed's engine, after its own checks) skips the
     model and optimizer checks and loads.
@@ -150,8 +157,9 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
     # A store that restored model and optimizer itself (DeepSpeed) marks the payload: they are not touched here.
     by_store = bool(payload.get(RESTORED_BY_STORE))
     optimizers: list[Any] = []
+    adapter = (payload.get("meta") or {}).get("params") == "trainable"  # frozen weights stay as they are
     if not by_store:
-        _check_model(engine, payload["model"], strict, (), fail, warnings)
+        _check_model(engine, payload["model"], strict, (), fail, warnings, only_trainable=adapter)
         optimizers = _check_optimizers(engine, payload["optimizers"], fail, warnings)
     if len(payload["schedulers"]) != len(engine.schedulers):
         raise fail(
@@ -198,7 +206,7 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
     part = "model"
     try:
         if not by_store:
-            backend.load_model_state_dict(engine, payload["model"], strict=strict)
+            backend.load_model_state_dict(engine, payload["model"], strict=strict and not adapter)
         ordered = sorted(callbacks.items(), key=lambda kv: not getattr(kv[1], "restore_with_model", False))
         early = [(k, cb) for k, cb in ordered if getattr(cb, "restore_with_model", False)]
         for key, callback in early:
@@ -248,7 +256,7 @@ def load_pretrained(
 
     kept = {k: v for k, v in model_state.items() if not any(fnmatch.fnmatchcase(k, p) for p in patterns)}
     warnings: list[str] = []
-    _check_model(engine, kept, strict, patterns, fail, warnings)
+    _check_model(engine, kept, strict, patterns, fail, warnings, pretrained=True)
     for text in warnings:
         logger.warning("pretrained %s: %s", source, text)
     engine.backend.load_model_state_dict(engine, kept, strict=False)
@@ -267,9 +275,18 @@ def _listing(keys: list[str], limit: int = 10) -> str:
 
 
 def _check_model(
-    engine: Engine, saved: Mapping[str, Any], strict: bool, exclude: tuple[str, ...], fail: Any, warnings: list[str]
+    engine: Engine,
+    saved: Mapping[str, Any],
+    strict: bool,
+    exclude: tuple[str, ...],
+    fail: Any,
+    warnings: list[str],
+    pretrained: bool = False,
+    only_trainable: bool = False,
 ) -> None:
     current = engine.backend.model_state_dict(engine)
+    if only_trainable:
+        current = select(engine, current, "trainable")
     missing = [k for k in current if k not in saved and not any(fnmatch.fnmatchcase(k, p) for p in exclude)]
     unexpected = [k for k in saved if k not in current]
     shapes = [
@@ -282,11 +299,22 @@ def _check_model(
     ]
     if shapes:
         raise fail(f"model tensors differ in shape: {_listing(shapes)}")
-    if missing or unexpected:
-        text = f"model keys do not match: missing from the checkpoint [{_listing(missing)}], unexpected [{_listing(unexpected)}]"
+    text = f"model keys do not match: missing from the checkpoint [{_listing(missing)}], unexpected [{_listing(unexpected)}]"
+    if missing:  # never a warning: those weights would silently stay at their initialization
+        remedy = (
+            "exclude them explicitly (Checkpoint(pretrained_exclude=[...]) with fnmatch patterns) to keep them as "
+            "initialized"
+            if pretrained
+            else "load a checkpoint of this model, or load its weights with Checkpoint(pretrained=..., "
+            "pretrained_exclude=[...])"
+        )
+        raise fail(f"{text}; {len(missing)} tensor(s) of this model would stay at their initialization: {remedy}")
+    if unexpected:
         if strict:
-            raise fail(text + "; load a checkpoint of this model, or pass strict=False")
-        warnings.append(text)
+            raise fail(
+                text + "; load a checkpoint of this model, or pass strict=False to leave the unexpected keys out"
+            )
+        warnings.append(text + " (left out)")
 
 
 def _check_optimizers(engine: Engine, saved: list[Any], fail: Any, warnings: list[str]) -> list[Any]:

@@ -78,6 +78,12 @@ class BestWeights(Protocol):
     def swapped(self, engine: Engine) -> AbstractContextManager[Any]: ...
 
 
+def _payload(engine: Engine, store: CheckpointStore, params: str) -> dict[str, Any]:
+    """What a save writes: the model and optimizers left to a store that saves them itself; `params`
+    ("all", or "trainable": `cadence.checkpoint.params`) chosen by the `Checkpoint` callback (`Saver.params`)."""
+    return build_payload(engine, model=not store.restores_model, params=params)
+
+
 class Saver:
     """Writes, names and prunes the `Checkpoint` callback's saves (see the module docstring).
 
@@ -91,7 +97,7 @@ class Saver:
     def __init__(
         self, store: CheckpointStore, backend: Any, *, keep_latest_k: int = 0, barrier_timeout: float = 1800.0
     ) -> None:
-        self.store, self.backend = store, backend
+        self.store, self.backend, self.params = store, backend, "all"
         self.keep_latest_k, self.barrier_timeout = keep_latest_k, barrier_timeout
         self.main = bool(backend.is_main)
         self.collective = store.collective and backend.world_size > 1  # a collective store on more than one rank
@@ -188,13 +194,13 @@ class Saver:
                 # Decided at each save: under TorchFT the writing replica group can change.
                 full = backend.writes_checkpoint
                 if latest or links:
-                    payload = build_payload(engine, model=not self.store.restores_model) if latest else None
+                    payload = _payload(engine, self.store, self.params) if latest else None
                     job = Job(payload, "latest" if latest else None, links, state.step, state.epoch, reason, full=full)
                     self._dispatch(engine, job, done, fitting)
                 if best_weights is not None and full:
                     self.fence.release()  # the swaps write the parameters: after their copies
                     with best_weights.swapped(engine):  # `best` holds those weights; written before they go back
-                        best = build_payload(engine, model=not self.store.restores_model)
+                        best = _payload(engine, self.store, self.params)
                         self._dispatch(engine, Job(best, "best", (), state.step, state.epoch, reason), done, fitting)
                         self.fence.release()
             except Exception as exc:

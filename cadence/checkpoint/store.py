@@ -146,6 +146,11 @@ class CheckpointStore(abc.ABC):
         return other
 
     @classmethod
+    def for_reading(cls) -> CheckpointStore:
+        """A store of this kind that reads without an engine (`manifest`, `verify`, `read_whole`; `cadence export`)."""
+        return cls()
+
+    @classmethod
     def reader_for(cls, engine: Engine) -> CheckpointStore | None:
         """A store of this kind that reads its checkpoints into `engine` on any backend; None: only its own.
 
@@ -167,6 +172,15 @@ class CheckpointStore(abc.ABC):
     @abc.abstractmethod
     def read(self, name: str, keys: Iterable[str] | None = None) -> dict[str, Any]:
         """The payload of `name` (only the top-level `keys` if given), verified (collective stores: every rank, together)."""
+
+    def read_whole(self, name: str) -> dict[str, Any]:
+        """The payload of `name`, every tensor whole on the CPU, in one process without an engine (`cadence export`).
+
+        The model's full weights under `"model"`; `"optimizers"` is empty where
+        the store keeps them in a form of its own (DeepSpeed's partitions).
+        Stores whose `read` needs an engine override it.
+        """
+        return self.read(name)
 
     @abc.abstractmethod
     def manifest(self, name: str) -> dict[str, Any]:

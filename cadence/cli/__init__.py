@@ -3,6 +3,7 @@
     cadence info                  versions, devices, backends that can run here, callbacks
     cadence runs [WORKSPACE]      one line per run directory (default workspace: ./runs)
     cadence inspect CHECKPOINT    step, epoch, config, tensors, callback keys, manifest check
+    cadence export CKPT --to F OUT  a checkpoint as torch.save, safetensors, a Hugging Face folder or DCP
     cadence plot RUN_DIR          plot a run's metrics (needs the `plot` extra)
     cadence hang RUN_DIR          which rank is where, and which collective the others wait in
     cadence --version             the installed version
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 
 from cadence.cli.checkpoint import inspect_checkpoint
 from cadence.cli.common import UsageError, version
+from cadence.cli.export import add_export
 from cadence.cli.hang import hang
 from cadence.cli.info import show_info
 from cadence.cli.runs import list_runs, plot_run
@@ -60,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="what a checkpoint holds, and whether it is complete")
     inspect.add_argument("checkpoint", help="a checkpoint directory (or a run's checkpoints/ folder: its latest)")
     inspect.set_defaults(run=inspect_checkpoint)
+    add_export(commands)
     plot = commands.add_parser("plot", help="plot a run's metrics (needs cadence[plot])")
     plot.add_argument("run_dir", help="a run directory")
     plot.add_argument("--out", default=None, help="image file to write (default: inside the run directory)")

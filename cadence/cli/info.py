@@ -20,6 +20,7 @@ _OPTIONAL = (
     ("torchmetrics", ("torchmetrics",), "metrics"),
     ("scikit-learn", ("scikit-learn",), "examples"),
     ("torchao", ("torchao",), "float8"),
+    ("safetensors", ("safetensors",), "hf"),
 )
 # pyproject.toml's dependencies besides torch (shown above them); tests/test_cli.py compares the two.
 _CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm", "xxhash", "numpy") + (

@@ -113,6 +113,7 @@ callbacks = Registry(
         "heartbeat": "cadence.callbacks.heartbeat:Heartbeat",
         "preemption": "cadence.callbacks.preemption:Preemption",
         "time_budget": "cadence.callbacks.time_budget:TimeBudget",
+        "collective_guard": "cadence.callbacks.collective_guard:CollectiveGuard",
         "train_metrics": "cadence.callbacks.metrics:TrainMetrics",
         "progress_bar": "cadence.callbacks.progress:ProgressBar",
         "tensorboard": "cadence.callbacks.tensorboard:TensorBoard",

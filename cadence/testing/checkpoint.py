@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -19,11 +20,12 @@ CHECKPOINT_KEY = "cadence.testing.checkpoint"
 CHECKPOINT_DIR = "harness-checkpoints"
 
 
-def harness_checkpoint(context: HarnessContext, subject: Any) -> list[Any]:
+def harness_checkpoint(context: HarnessContext, subject: Any, params: str = "all") -> list[Any]:
     """A Checkpoint that saves `latest` at the end of each fit, into the run's own folder."""
     from cadence.callbacks.checkpoint import Checkpoint
 
-    checkpoint = Checkpoint(dir=str(context.workdir / CHECKPOINT_DIR), interval=0, keep_latest_k=0)
+    folder = str(context.workdir / CHECKPOINT_DIR)
+    checkpoint = Checkpoint(dir=folder, interval=0, keep_latest_k=0, params=params)  # type: ignore[arg-type]
     checkpoint.state_key = CHECKPOINT_KEY
     return [checkpoint]
 
@@ -37,11 +39,12 @@ def check(
 
     started = time.perf_counter()
     steps = scenario.steps
+    extra = functools.partial(harness_checkpoint, params=scenario.checkpoint_params)
     run = workdir / "run"  # both runs use the same directory, as a resumed run does
     latest = run / CHECKPOINT_DIR / "latest"
     try:
         # The uninterrupted run: fit (which saves `latest` at its end), then fit again.
-        engine, callback, _ = build_engine(make, run, scenario, make_extra=harness_checkpoint)
+        engine, callback, _ = build_engine(make, run, scenario, make_extra=extra)
         try:
             engine.fit(steps=steps)
             saved = _saved_state(engine, callback, latest)
@@ -54,7 +57,7 @@ def check(
         run.rename(workdir / "uninterrupted")
         (workdir / "at-interruption").rename(run)
         # The resumed run: a fresh engine and a new instance of the callback, restored from the file.
-        engine, callback, probe = build_engine(make, run, scenario, make_extra=harness_checkpoint)
+        engine, callback, probe = build_engine(make, run, scenario, make_extra=extra)
         try:
             load_checkpoint(engine, latest)
             loaded = probe.loaded

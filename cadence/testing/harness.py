@@ -106,6 +106,7 @@ def check_callback(
     workdir: str | Path | None = None,
     raise_on_failure: bool = True,
     backend: Callable[[], Any] | None = None,
+    checkpoint_params: str = "all",
 ) -> Report:
     """Check a callback against the engine's contract on a tiny run.
 
@@ -130,6 +131,8 @@ def check_callback(
             engine (e.g. `lambda: DeepSpeedBackend(zero_stage=2)`), in one
             process and on every rank; None: local in one process, DDP on ranks,
             both on the CPU (`engine_options={"device": ...}` moves the one-process runs).
+        checkpoint_params: what the checkpoint check saves and restores: "all", or "trainable"
+            (`Checkpoint(params="trainable")`: freeze parameters in the factory to check adapters).
 
     Returns:
         The `Report` (also when everything passed).
@@ -158,7 +161,9 @@ def check_callback(
     if unknown:
         raise ValueError(f"check_callback(checks=...): unknown {unknown}; choose from {list(CHECKS)}")
     make = callback_maker(factory, config)
-    scenario = Scenario(steps=steps, engine_options=dict(engine_options or {}), backend=backend)
+    scenario = Scenario(
+        steps=steps, engine_options=dict(engine_options or {}), backend=backend, checkpoint_params=checkpoint_params
+    )
     report = Report(describe(factory))
     with _workdir(workdir) as root:
         started = time.perf_counter()

@@ -53,6 +53,8 @@ class Scenario:
         backend: builds a fresh backend for each engine (one process and every rank
             of the rank checks); None: the local backend in one process, DDP (gloo) on
             ranks, both on the CPU.
+        checkpoint_params: what the harness's checkpoint saves and restores: "all", or
+            "trainable" (adapter-only checkpoints: `Checkpoint(params="trainable")`).
     """
 
     steps: int = 3
@@ -60,6 +62,7 @@ class Scenario:
     log_interval: int = 2
     engine_options: Mapping[str, Any] = attrs.field(factory=dict)
     backend: Callable[[], Any] | None = None
+    checkpoint_params: str = "all"
 
 
 def callback_maker(factory: Factory, config: Mapping[str, Any] | None) -> Callable[[HarnessContext], Any]:
