@@ -33,8 +33,8 @@ class Report(cadence.Callback):
 def main(url: str, out: str, async_mode: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Linear(1024, 2048)  # 2 M parameters: 8 MB, and 16 MB of AdamW state
-    data = torch.utils.data.TensorDataset(torch.randn(64, 1024), torch.randn(64, 2048))
+    model = torch.nn.Linear(1024, 4096)  # 4 M parameters: 16 MB, and 32 MB of AdamW state
+    data = torch.utils.data.TensorDataset(torch.randn(64, 1024), torch.randn(64, 4096))
     checkpoint = Checkpoint(dir=url, interval=1, keep_latest_k=1, auto_resume=True, async_mode=async_mode)
     with cadence.Engine(
         model,
