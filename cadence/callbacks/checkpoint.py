@@ -20,7 +20,7 @@ import attrs
 
 from cadence.checkpoint.launch_modes import auto_resume, load_checkpoint, load_pretrained_weights
 from cadence.checkpoint.saver import BestWeights, Collected, SavedCheckpoint, Saver
-from cadence.checkpoint.store import CheckpointStore
+from cadence.checkpoint.store import CheckpointStore, for_location
 from cadence.engine.callback import Callback
 from cadence.engine.events import Event
 from cadence.engine.order import Order
@@ -185,9 +185,9 @@ class Checkpoint(Callback):
 
     def _bind(self, engine: Engine) -> None:
         config = self.config
-        directory = Path(config.dir) if config.dir else engine.run_dir / "checkpoints"
+        directory = config.dir or engine.run_dir / "checkpoints"
         backend = engine.backend
-        self.store = backend.checkpoint_store(engine).at(directory)
+        self.store = for_location(backend.checkpoint_store(engine), directory).at(directory)  # a URL: object storage
         if config.async_mode == "async" and not self.store.background_safe:
             raise ValueError(
                 f"Checkpoint(async_mode='async'): the {type(self.store).__name__} writes with collectives on the "

@@ -147,9 +147,22 @@ def entry_digests(skeleton: Mapping[str, Any]) -> dict[str, str]:
 
 
 def serialize(obj: Any) -> bytes:
+    """`torch.save` bytes of `obj`, views of larger storages (async staging) as copies (`_own_storage`)."""
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    torch.save(_own_storage(obj), buffer)
     return buffer.getvalue()
+
+
+def _own_storage(obj: Any) -> Any:
+    """torch.save keeps a view's whole storage, and `torch.set_rng_state` crashes on a loaded view's offset."""
+    if isinstance(obj, torch.Tensor):
+        whole = obj.storage_offset() == 0 and obj.untyped_storage().nbytes() == obj.numel() * obj.element_size()
+        return obj if whole or obj.is_meta else obj.clone()
+    if isinstance(obj, dict):  # copied only where a tensor in it was (state dicts keep `_metadata`)
+        items = {k: _own_storage(v) for k, v in obj.items()}
+        return obj if all(items[k] is v for k, v in obj.items()) else {**obj, **items}
+    values = [_own_storage(v) for v in obj] if type(obj) in (list, tuple) else None
+    return obj if values is None or all(a is b for a, b in zip(values, obj)) else type(obj)(values)
 
 
 # -- hashing writes ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from cadence.checkpoint.payload import load_pretrained, restore
-from cadence.checkpoint.store import CheckpointError, CheckpointStore, store_class, store_errors
+from cadence.checkpoint.store import CheckpointError, CheckpointStore, for_location, store_class, store_errors
 from cadence.engine.engine import Engine
 from cadence.engine.events import Event
 
@@ -66,6 +66,7 @@ def locate(engine: Engine, store: CheckpointStore, path: str | os.PathLike[str])
     process or on DDP's process group).
     """
     backend = engine.backend
+    store = for_location(store, path)  # a URL: the object store of the same kind
     if not (store.collective and backend.world_size > 1):
         with store_errors("locating", path):
             at, name = store.locate(path)

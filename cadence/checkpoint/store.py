@@ -39,6 +39,13 @@ STORES: dict[str, str] = {
     "deepspeed": "cadence.checkpoint.deepspeed_store:DeepSpeedStore",
 }
 
+#: The store that keeps a kind's checkpoints on object storage (a `dir` or checkpoint path that is a URL,
+#: `s3://...`), as `module:Class`; built around the backend's local store (`for_location`).
+OBJECT_STORES: dict[str, str] = {
+    "file": "cadence.checkpoint.object_file:ObjectFileStore",
+    "dcp": "cadence.checkpoint.object_dcp:ObjectDCPStore",
+}
+
 
 class CheckpointError(CadenceError, RuntimeError):
     """A checkpoint is missing, damaged, or does not fit this run.
@@ -311,3 +318,29 @@ def store_class(kind: str) -> type[CheckpointStore] | None:
     module, _, name = target.partition(":")
     found: type[CheckpointStore] = getattr(importlib.import_module(module), name)
     return found
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """Whether `location` is a URL with a scheme other than `file` (`s3://...`, `gs://...`, `memory://...`)."""
+    text = os.fspath(location)
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and len(scheme) > 1 and scheme.isidentifier() and scheme != "file"
+
+
+def for_location(store: CheckpointStore, location: str | os.PathLike[str]) -> CheckpointStore:
+    """`store` for a local `location`; for a URL, the object store of `store`'s kind around it (`OBJECT_STORES`).
+
+    Not yet at `location`: call `.at(...)` or `.locate(...)`. Raises ValueError for a store kind that
+    cannot live on object storage.
+    """
+    if not is_url(location):
+        return store
+    target = OBJECT_STORES.get(store.kind)
+    if target is None:
+        raise ValueError(
+            f"checkpoint location {os.fspath(location)!r}: the {type(store).__name__} ({store.kind!r}) keeps "
+            f"checkpoints on a filesystem only; object storage takes the {' and '.join(OBJECT_STORES)} stores"
+        )
+    module, _, name = target.partition(":")
+    wrap: Callable[[CheckpointStore], CheckpointStore] = getattr(importlib.import_module(module), name)
+    return wrap(store)  # an object store takes the local store it keeps saves with
