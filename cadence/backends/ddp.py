@@ -18,7 +18,7 @@ import ctypes
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,8 @@ from cadence.backends.flight_recorder import DEFAULT_ENTRIES, FlightRecorder
 from cadence.backends.local import LocalBackend, Precision
 from cadence.backends.process_group import GroupSettings, TimeoutSwitch, start_group
 from cadence.backends.transforms import ModelTransforms, UnitsFn
-from cadence.engine.backend import Domain, ReduceOp, StepPlan
+from cadence.engine.backend import Domain, ReduceOp
+from cadence.engine.step import Step
 
 if TYPE_CHECKING:
     from cadence.backends.ft import FaultTolerance, FTConfig
@@ -134,7 +135,7 @@ class DDPBackend(LocalBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
-        self._overlapped = OverlappedAgreement()
+        self._overlapped = OverlappedAllReduce()
         more = {"precision_overrides": precision_overrides, "float8": float8}
         self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name, **more)
         self.units_fn = units_fn
@@ -233,18 +234,20 @@ class DDPBackend(LocalBackend):
 
     # -- the step ---------------------------------------------------------
 
-    def step_plan(self, engine: Engine) -> StepPlan:
-        plan = super().step_plan(engine)
+    def build_step(self, engine: Engine) -> Step:
+        step = super().build_step(engine)
         self._arm_timeout_switch(engine)
-        if self.ft is None:
-            return self._with_overlapped_agreement(plan)
-        import attrs
+        return step if self.ft is None else self.ft.build_step(engine, step)
 
-        # One process per replica group: no control request to agree with anyone (the mesh
-        # backend's groups of several processes agree inside the group).
+    def agreement_mode(self, engine: Engine) -> Literal["inline", "blocking", "overlapped"]:
+        """Overlapped over several ranks (on a gloo group, `OverlappedAllReduce`), blocking on one; with ft,
+        blocking inside a replica group of several processes and inline with one process per group."""
+        if self.ft is not None:
+            return "inline" if self.world_size == 1 else "blocking"
         if self.world_size == 1:
-            plan = attrs.evolve(plan, agree=None)
-        return self.ft.step_plan(engine, plan)
+            return "blocking"
+        self._overlapped.join(self.group, self.timeout)
+        return "overlapped"
 
     def data_shard(self, split: str) -> tuple[int, int]:
         """Training data over every rank (with ft: of every replica group); with ft, evaluation and prediction inside the group."""
@@ -329,14 +332,11 @@ class DDPBackend(LocalBackend):
             self._agree_host.copy_(self._agree_device)  # type: ignore[union-attr]
         requests.accept(view[:])
 
-    def _with_overlapped_agreement(self, plan: StepPlan) -> StepPlan:
-        """`plan` with `agree_start` / `agree_finish` over the optimizer domain's ranks (more than one), on gloo."""
-        if self.world_size == 1 or plan.agree is None:
-            return plan
-        import attrs
+    def agree_start(self, requests: Requests) -> None:
+        self._overlapped.start(requests)
 
-        self._overlapped.join(self.group, self.timeout)
-        return attrs.evolve(plan, agree_start=self._overlapped.start, agree_finish=self._overlapped.finish)
+    def agree_finish(self, requests: Requests) -> None:
+        self._overlapped.finish(requests)
 
     def _arm_timeout_switch(self, engine: Engine) -> None:
         """At a fit's start: `init_timeout` until the first steps end on the groups this backend created (the
@@ -383,7 +383,7 @@ class DDPBackend(LocalBackend):
         return f"ddp(rank={self.rank}/{self.world_size}, {pg}, device={self.device}{ft})"
 
 
-class OverlappedAgreement:
+class OverlappedAllReduce:
     """The step's agreement sent without waiting: one MAX all-reduce, on a gloo group.
 
     `start` writes what is pending into a CPU buffer and launches the

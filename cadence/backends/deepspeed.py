@@ -40,7 +40,8 @@ import torch.distributed as dist
 from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend
 from cadence.backends.flight_recorder import DEFAULT_ENTRIES
 from cadence.backends.process_group import GroupSettings
-from cadence.engine.backend import NULL_CONTEXT, LocalParameter, StepPlan, move_to
+from cadence.engine.backend import NULL_CONTEXT, LocalParameter, move_to
+from cadence.engine.step import Step, nothing
 from cadence.run import config as config_module
 
 if TYPE_CHECKING:
@@ -266,21 +267,18 @@ class DeepSpeedBackend(DDPBackend):
 
     # -- the step ---------------------------------------------------------
 
-    def step_plan(self, engine: Engine) -> StepPlan:
-        plan = StepPlan(
-            schedule=None,
-            to_device=self.to_device if self.moves_batches else None,
-            autocast=NULL_CONTEXT,
-            gradient_sync=None,
-            backward=self.backward,
-            finish_gradients=None,
-            agree=self.agree if self.world_size > 1 else None,
-            optimizer_step=self._step,
-            skip_step=self._skip,
-            zero_grad=None,  # DeepSpeed zeroes in its step
-        )
+    def build_step(self, engine: Engine) -> Step:
         self._arm_timeout_switch(engine)  # init_timeout until the first steps end (cadence.backends.process_group)
-        return self._with_overlapped_agreement(plan)
+        return Step(
+            optimizer_step=self._step,
+            to_device=self.to_device if self.moves_batches else None,
+            backward=self.backward,
+            skip_step=self._skip,
+            zero_grad=nothing,  # DeepSpeed zeroes in its step
+        )
+
+    def agreement_mode(self, engine: Engine) -> Literal["inline", "blocking", "overlapped"]:
+        return "inline" if self.world_size == 1 else super().agreement_mode(engine)
 
     @property
     def moves_batches(self) -> bool:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends import float8
-from cadence.backends.ddp import _OPS, DDPBackend, OverlappedAgreement
+from cadence.backends.ddp import _OPS, DDPBackend, OverlappedAllReduce
 from cadence.backends.device import resolve_device
 from cadence.backends.mesh import accumulation, sharding
 from cadence.backends.mesh.config import MeshConfig
@@ -53,7 +53,8 @@ from cadence.backends.transforms import (
     find_units,
     unwrap_compiled,
 )
-from cadence.engine.backend import NULL_CONTEXT, Domain, LocalParameter, ReduceOp, StepPlan
+from cadence.engine.backend import NULL_CONTEXT, Domain, LocalParameter, ReduceOp, Step
+from cadence.engine.step import nothing
 from cadence.run import config as config_module
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class MeshBackend(DDPBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
-        self._overlapped = OverlappedAgreement()
+        self._overlapped = OverlappedAllReduce()
         #: The `DeviceMesh` (dims "replicate", "shard" and "tensor" when > 1), set in setup.
         self.mesh: Any = None
         #: Every axis's resolved size.
@@ -382,38 +383,37 @@ class MeshBackend(DDPBackend):
 
     # -- the step ---------------------------------------------------------
 
-    def step_plan(self, engine: Engine) -> StepPlan:
-        plan = super().step_plan(engine)
+    def build_step(self, engine: Engine) -> Step:
+        step = super().build_step(engine)
         if self._sync is not None:
             self._sync.reset()
         if not self.sharded:  # tensor-only mesh: gradients are complete after backward
-            plan = attrs.evolve(plan, gradient_sync=None)
+            step = attrs.evolve(step, gradient_sync=nothing)
         if self.pipeline is not None:  # the schedule runs the micro-batches (and syncs gradients itself)
             refuse_short_steps(engine, engine.config.grad_accum)
-            plan = attrs.evolve(plan, schedule=self.pipeline.forward_backward, gradient_sync=None)
-        return self._context_expert_plan(plan)
+            step = attrs.evolve(step, schedule=self.pipeline.forward_backward, gradient_sync=nothing)
+        return self._context_expert_step(step)
 
-    def _context_expert_plan(self, plan: StepPlan) -> StepPlan:
+    def _context_expert_step(self, step: Step) -> Step:
         """Context parallel runs the micro-batches (`context.ContextSchedule`); expert gradients get finished."""
         if self._expert_params:
             from cadence.backends.mesh import experts
 
-            finish_experts = experts.ExpertGradients(
-                self._expert_params, self.expert_mesh, self.data_size * self.sizes["context"]
-            )
-            previous = plan.finish_gradients
+            groups = self.data_size * self.sizes["context"]
+            finish_experts = experts.ExpertGradients(self._expert_params, self.expert_mesh, groups)
+            finish_step = step.finish_gradients
 
             def finish(engine: Engine) -> None:
-                previous is None or previous(engine)
+                finish_step(engine)
                 finish_experts()
 
-            plan = attrs.evolve(plan, finish_gradients=finish)
+            step = attrs.evolve(step, finish_gradients=finish)
         if self.context_mesh is not None:
             from cadence.backends.mesh import context
 
             kernel = context.resolve_kernel(self.config.context_attention, self.device.type)
-            plan = attrs.evolve(plan, schedule=context.ContextSchedule(self.context_mesh, kernel, plan))
-        return plan
+            step = attrs.evolve(step, schedule=context.ContextSchedule(self.context_mesh, kernel, step))
+        return step
 
     def data_shard(self, split: str) -> tuple[int, int]:
         """The data ranks; with ft, training data over the data ranks of every replica group."""
