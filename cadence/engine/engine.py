@@ -7,7 +7,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -16,11 +15,12 @@ import torch
 
 from cadence.engine import agreement as agreements
 from cadence.engine import checks
-from cadence.engine.backend import Backend, batch_size, restore_training_mode
+from cadence.engine.backend import Backend, batch_size
 from cadence.engine.bus import EventBus, Handle, as_event, callback_key
 from cadence.engine.control import Requests
 from cadence.engine.data import DataConfig, DataSource
-from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gather_outputs, in_lockstep, scalar
+from cadence.engine.evaluation import MetricInputs, MetricSet
+from cadence.engine.evaluator import Evaluator, split_name
 from cadence.engine.events import Event
 from cadence.engine.feed import TrainFeed
 from cadence.engine.metrics import MetricStore, Reduction
@@ -226,7 +226,8 @@ class Engine:
                 f"config eval_sets.{unknown[0]}: eval_data has no split {unknown[0]!r} (it has {sorted(eval_sets)}); "
                 "name the sets alike in eval_data={...} and the config"
             )
-        self._metric_inputs_given = metric_inputs is not None
+        #: Runs evaluate() and predict() (`cadence.engine.evaluator`).
+        self.evaluator = Evaluator(self, metric_inputs_given=metric_inputs is not None)
         self.batch: Any = None
         self.outputs: Any = None
         self.batch_metrics: Mapping[str, Any] = {}
@@ -237,7 +238,10 @@ class Engine:
         self._running = False
         self._setup_done = False
         self.feed = TrainFeed()  # the train data's open epoch and unfinished step
-        self._active_metrics = self.metrics
+        #: Where `engine.log` records: `metrics`, or during evaluation that evaluation's store.
+        self.metric_sink: MetricStore = self.metrics
+        #: What `engine.log` puts before a name: "" in training, "split." during evaluation.
+        self.metric_prefix = ""
         self._run_dir: Path | None = None
         self._run_info: rundir.RunInfo | None = None
         self.long_operation_name: str | None = None
@@ -419,9 +423,7 @@ class Engine:
         Inside evaluation the name is prefixed with the split (`val.`).
         Values stay on the device until then: no host sync per call.
         """
-        self._active_metrics.log(self._metric_prefix + name, value, reduce, weight)
-
-    _metric_prefix = ""
+        self.metric_sink.log(self.metric_prefix + name, value, reduce, weight)
 
     # -- running ------------------------------------------------------------
 
@@ -522,10 +524,6 @@ class Engine:
         """
         self.bus.instrument(make_context)
 
-    def _place(self, batch: Any) -> Any:
-        """A batch on the backend's device (as given when it is already there, as on CPU)."""
-        return self.backend.to_device(batch) if self.backend.moves_batches else batch
-
     def _end_epoch(self) -> None:
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
@@ -595,66 +593,10 @@ class Engine:
             for each in self.eval_splits:
                 results.update(self.evaluate(split=each))
             return results
-        split = _split_name("val" if split is None else split)
+        split = split_name("val" if split is None else split)
         source = self._eval_source(data, split)
-        metrics = self.eval_metrics
-        with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
-            where = f"while evaluating split {split!r} at step {self.state.step}"
-            store = MetricStore()
-            self._active_metrics, self._metric_prefix = store, f"{split}."
-            staged = self.backend.eval_forward(self)  # None: the model's own forward
-            try:
-                if metrics is not None:
-                    metrics.reset()  # what a previous evaluation or a failed one left
-                self.fire(Event.ON_EVAL_START)
-                if staged is not None:
-                    store.declare(f"{split}.loss")  # ranks without the loss (pipeline stages) take part
-                batches = self._lockstep(source.epoch_iter(0, fresh=True), source, staged, True, split)
-                means: Mapping[str, Any]  # the staged forward's loss, or what eval_fn returned
-                for batch in batches:
-                    self.batch = self._place(batch)
-                    if staged is not None:
-                        self.outputs, loss = staged(self.batch)
-                        means, outputs = ({} if loss is None else {"loss": loss}), self.outputs
-                    else:
-                        with self.backend.autocast():
-                            means, outputs = self._eval_step(self.batch)
-                    if metrics is not None:
-                        self._update_metrics(metrics, outputs, where)
-                    weight = float(batch_size(self.batch))
-                    for name, value in means.items():
-                        store.log(f"{split}.{name}", value, "mean", weight)
-                    self.batch_metrics = means
-                    self.fire(Event.ON_EVAL_BATCH)
-                results = store.compute(self.backend)
-                if metrics is not None:
-                    values = {f"{split}.{name}": value for name, value in metrics.compute(where).items()}
-                    metrics.reset()
-                    clash = sorted(set(values) & set(results))
-                    if clash:
-                        raise ValueError(
-                            f"{clash} are both metric objects and values logged by eval_fn or engine.log; rename one"
-                        )
-                    self.metric_values[split] = values
-                    for name, value in values.items():
-                        number = scalar(value)
-                        if number is not None:
-                            results[name] = number
-            finally:
-                self._active_metrics, self._metric_prefix = self.metrics, ""
-            self.eval_results[split] = results
-            self.logged = dict(results)
-            self.fire(Event.ON_LOG)
-            self.fire(Event.ON_EVAL_END)
-        return results
-
-    def _update_metrics(self, metrics: MetricSet, outputs: Any, where: str) -> None:
-        if outputs is None and not self._metric_inputs_given:
-            raise MetricError(
-                f"metrics need the model's outputs {where}, but eval_fn returned only a mapping of means; "
-                "have eval_fn return (mapping, outputs), or pass metric_inputs=fn(outputs, batch)"
-            )
-        metrics.update(outputs, self.batch, where)
+        with self._run():
+            return self.evaluator.evaluate(source, split)
 
     def predict(self, data: Any = None, *, gather: bool = False) -> Any:
         """Run the model on every batch of `data` (default: predict data).
@@ -672,59 +614,8 @@ class Engine:
         None there in on_predict_batch).
         """
         source = self._source(data, "predict")
-        outputs: list[Any] = []
-        result: Any = outputs
-        with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
-            staged = self.backend.eval_forward(self)  # None: the model's own forward
-            self.fire(Event.ON_PREDICT_START)
-            batches = self._lockstep(source.epoch_iter(0, fresh=True), source, staged, False, "predict")
-            indices, seen = source.sample_indices(), 0
-            for batch in batches:
-                self.batch = self._place(batch)
-                if indices is not None:
-                    count = batch_size(self.batch)
-                    self.batch_indices, seen = indices[seen : seen + count], seen + count
-                if staged is not None:
-                    self.outputs = staged(_inputs(self.batch))[0]
-                    self.fire(Event.ON_PREDICT_BATCH)
-                    if self.outputs is not None:
-                        outputs.append(self.outputs)
-                    continue
-                with self.backend.autocast():
-                    self.outputs = self.wrapped_model(_inputs(self.batch))
-                self.fire(Event.ON_PREDICT_BATCH)
-                outputs.append(self.outputs)
-            self.batch_indices = None
-            if gather:
-                result = gather_outputs(self.backend, outputs, indices)
-            self.fire(Event.ON_PREDICT_END)
-        return result
-
-    def _lockstep(
-        self, batches: Iterator[Any], source: DataSource, staged: Any, evaluating: bool, split: str
-    ) -> Iterator[Any]:
-        """`batches` as they are, or, when the backend's forward needs every rank (`Backend.eval_lockstep`),
-        with stand-in forwards after the last so that every rank runs as many."""
-        domain = self.backend.eval_lockstep(self)
-        if domain is None:
-            return batches
-        count = len(source) if source.has_len() else None
-        stand_in = partial(self._stand_in_forward, staged, evaluating)
-        return in_lockstep(batches, count, self.backend, domain, stand_in, split)
-
-    def _stand_in_forward(self, staged: Any, evaluating: bool, batch: Any) -> None:
-        """The forward `evaluate()` / `predict()` runs per batch, on `batch`, its outputs and logged values discarded."""
-        batch = self._place(batch) if evaluating else _inputs(self._place(batch))
-        outputs, active = self.outputs, self._active_metrics
-        self._active_metrics = MetricStore()  # engine.log calls made in eval_fn or forward: dropped
-        try:
-            if staged is not None:
-                staged(batch)
-            else:
-                with self.backend.autocast():
-                    self._eval_step(batch) if evaluating else self.wrapped_model(batch)
-        finally:
-            self.outputs, self._active_metrics = outputs, active
+        with self._run():
+            return self.evaluator.predict(source, gather)
 
     @contextlib.contextmanager
     def _run(self) -> Iterator[None]:
@@ -801,23 +692,6 @@ class Engine:
                 ) from exc
             raise
         return outputs, _loss_of(outputs, "the model")
-
-    def _eval_step(self, batch: Any) -> tuple[Mapping[str, Any], Any]:
-        """One evaluation batch: (per-batch means, outputs for the metric objects)."""
-        if self.eval_fn is not None:
-            result = self.eval_fn(self.wrapped_model, batch)
-            outputs = None
-            if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Mapping):
-                result, outputs = result
-            if not isinstance(result, Mapping):
-                raise TypeError(
-                    "eval_fn must return a mapping of metric name to value, or (mapping, outputs); "
-                    f"got {type(result).__name__}"
-                )
-            self.outputs = outputs
-            return result, outputs
-        self.outputs, loss = self.compute_loss(batch)
-        return {"loss": loss}, self.outputs
 
     # -- plumbing -------------------------------------------------------------
 
@@ -926,26 +800,12 @@ def _make_backend(backend: Backend | str, config: EngineConfig) -> Backend:
     return cls.from_engine_config(config) if hasattr(cls, "from_engine_config") else cls()
 
 
-def _split_name(split: Any) -> str:
-    if not isinstance(split, str) or not split or "." in split or split in ("train", "predict"):
-        raise ValueError(
-            f"evaluation split {split!r}: a split is a non-empty name without dots (metrics are named "
-            "'split.metric') other than 'train' and 'predict' (e.g. 'val', 'test', 'train_eval')"
-        )
-    return split
-
-
-def _inputs(batch: Any) -> Any:
-    """What `predict()` feeds the model: a batch's first element when it is a tuple or list (inputs, targets)."""
-    return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-
 def _eval_sets(eval_data: Any) -> dict[str, Any]:
     """`{split: data}` from `eval_data`: data alone is the `val` split."""
     if eval_data is None:
         return {}
     if isinstance(eval_data, Mapping):
-        sets = {_split_name(split): data for split, data in eval_data.items()}
+        sets = {split_name(split): data for split, data in eval_data.items()}
         missing = [split for split, data in sets.items() if data is None]
         if missing:
             raise ValueError(f"eval_data: no data for split(s) {missing}")
