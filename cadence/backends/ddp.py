@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 #: works alone for longer (a first `torch.compile`, a huge checkpoint save).
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
-_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 class DDPBackend(LocalBackend):
@@ -167,10 +167,12 @@ class DDPBackend(LocalBackend):
         if not dist.is_available():
             raise RuntimeError("DDPBackend: this torch build has no torch.distributed support")
         if not dist.is_initialized():  # what setup would refuse after the group started is refused before it:
-            device = resolve_device(self.requested_device, process_group=self._group_backend(), current=False)
+            device = resolve_device(
+                self.requested_device, process_group=self.process_group_backend_name(), current=False
+            )
             Precision.create(self.precision_name, device)  # a device not here, fp16 without CUDA: no group left
             self.transforms.check(device, type(self).name)  # float8 without a capable GPU
-            self._init_process_group()
+            self.start_process_group()
         self.group = dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
@@ -185,7 +187,7 @@ class DDPBackend(LocalBackend):
                     "replica group, or use the mesh backend (MeshBackend(ft=...): FSDP2 inside a group)",
                 )
             self.data_rank, self.data_size = self.ft.data_shard(self.rank, self.world_size)
-        self.device = self._resolve_device()
+        self.device = self.rank_device()
         self.set_precision(self.precision_name, self.device)
         forward = self.prepare_model(engine)  # checkpointing, compile (cadence.backends.transforms)
         engine.model.to(self.device)
@@ -203,20 +205,22 @@ class DDPBackend(LocalBackend):
             self._wrapped = DistributedDataParallel(forward, device_ids=device_ids, **self.ddp_options)
         engine.wrapped_model = self._wrapped
 
-    def _resolve_device(self) -> torch.device:
+    def rank_device(self) -> torch.device:
         """This rank's device (`cadence.backends.device`), made current; after the group exists."""
         return resolve_device(
             self.requested_device, local_rank=self.local_rank, rank=self.rank, process_group=dist.get_backend()
         )
 
-    def _group_backend(self) -> str:
+    def process_group_backend_name(self) -> str:
         """The process-group backend this backend creates: as given, else NCCL for a CUDA device, else gloo."""
         # Before any group, no device asked for means the local-rank GPU when there is one.
         device = resolve_device(self.requested_device, current=False)
         return choose_process_group_backend(self.process_group_backend, device)
 
-    def _init_process_group(self) -> None:
-        self.flight_recorder = start_group(self._group_backend(), self.group_settings, self.requested_device)
+    def start_process_group(self) -> None:
+        self.flight_recorder = start_group(
+            self.process_group_backend_name(), self.group_settings, self.requested_device
+        )
         self.created_group = True
 
     def teardown(self) -> None:
@@ -232,16 +236,13 @@ class DDPBackend(LocalBackend):
             dist.destroy_process_group()
         self.created_group = False
 
-    # -- the step ---------------------------------------------------------
-
     def build_step(self, engine: Engine) -> Step:
         step = super().build_step(engine)
-        self._arm_timeout_switch(engine)
+        self.arm_timeout_switch(engine)
         return step if self.ft is None else self.ft.build_step(engine, step)
 
     def agreement_mode(self, engine: Engine) -> Literal["inline", "blocking", "overlapped"]:
-        """Overlapped over several ranks (on a gloo group, `OverlappedAllReduce`), blocking on one; with ft,
-        blocking inside a replica group of several processes and inline with one process per group."""
+        """Overlapped over several ranks, blocking on one; with ft, blocking in a group of several, else inline."""
         if self.ft is not None:
             return "inline" if self.world_size == 1 else "blocking"
         if self.world_size == 1:
@@ -268,12 +269,12 @@ class DDPBackend(LocalBackend):
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", domain: Domain = "data") -> torch.Tensor:
         """All-reduce a copy of `tensor` over `domain` (both are the world for DDP)."""
-        if op not in _OPS:
-            raise ValueError(f"reduce(op={op!r}): expected one of {sorted(_OPS)}")
+        if op not in REDUCE_OPS:
+            raise ValueError(f"reduce(op={op!r}): expected one of {sorted(REDUCE_OPS)}")
         result = tensor.detach().clone()
         if op == "mean" and not result.is_floating_point():
             result = result.double()
-        dist.all_reduce(result, op=_OPS[op], group=self.group)
+        dist.all_reduce(result, op=REDUCE_OPS[op], group=self.group)
         if op == "mean":
             result /= self.world_size
         return result
@@ -338,7 +339,7 @@ class DDPBackend(LocalBackend):
     def agree_finish(self, requests: Requests) -> None:
         self._overlapped.finish(requests)
 
-    def _arm_timeout_switch(self, engine: Engine) -> None:
+    def arm_timeout_switch(self, engine: Engine) -> None:
         """At a fit's start: `init_timeout` until the first steps end on the groups this backend created (the
         world, and the agreement's own group when it has one)."""
         if self.created_group:
@@ -443,11 +444,8 @@ class OverlappedAllReduce:
 
 
 def _slots(slots: int, pin: bool = False) -> tuple[torch.Tensor, Any]:
-    """An int64 host tensor of `slots` zeros and a ctypes array over its memory.
-
-    The pending list is written into the array, and read back from it, without
-    a new tensor (and without numpy).
-    """
+    """An int64 host tensor of `slots` zeros and a ctypes array over its memory: the pending values are
+    written in and read back without a new tensor (and without numpy)."""
     tensor = torch.zeros(slots, dtype=torch.int64, pin_memory=pin)
     return tensor, (ctypes.c_int64 * slots).from_address(tensor.data_ptr())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from cadence.engine.callback import Callback, overridden_hooks, warn_misspelled_hooks
 from cadence.engine.events import Event
@@ -159,6 +159,18 @@ class FunctionHandler:
         return f"FunctionHandler({self.state_key!r}, event={self.event.value}, order={self.order})"
 
 
+CallbackType = TypeVar("CallbackType")
+
+
+class Callbacks(tuple):  # type: ignore[type-arg]
+    """The registered callbacks in their resolved order (`engine.callbacks`): a tuple, plus `find`."""
+
+    def find(self, kind: type[CallbackType]) -> CallbackType | None:
+        """The first registered callback that is an instance of `kind` (a class or a runtime-checkable
+        protocol), or None: `engine.callbacks.find(Checkpoint)`."""
+        return next((callback for callback in self if isinstance(callback, kind)), None)
+
+
 class Handle:
     """Returned by `engine.add_callback` and `engine.add_handler`; `remove()` unregisters.
 
@@ -185,7 +197,7 @@ class EventBus:
         self._engine = engine
         self._entries: list[tuple[Any, int]] = []  # (callback, registration index)
         self._index = itertools.count()
-        self.ordered: tuple[Any, ...] = ()
+        self.ordered = Callbacks()
         #: Event -> the hooks `fire(event)` calls, in order: the dispatch table.
         self.table: dict[Event, tuple[Callable[[Engine], None], ...]] = {e: () for e in Event}
         #: Event -> the registered callbacks' hooks, in order (`table` without an instrument).
@@ -277,7 +289,7 @@ class EventBus:
     # -- order ------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        self.ordered = tuple(_resolve_order(self._entries))
+        self.ordered = Callbacks(_resolve_order(self._entries))
         table: dict[Event, list[Callable[[Engine], None]]] = {e: [] for e in Event}
         for callback in self.ordered:
             if isinstance(callback, FunctionHandler):
@@ -440,4 +452,4 @@ def _find_cycle(edges: dict[str, set[str]], nodes: set[str]) -> list[str]:
     return [*cycle, cycle[0]]
 
 
-__all__ = ["CadenceError", "Callback", "EventBus", "FunctionHandler", "Handle", "HookError", "OrderError"]
+__all__ = ["CadenceError", "Callback", "Callbacks", "EventBus", "FunctionHandler", "Handle", "HookError", "OrderError"]

@@ -16,7 +16,7 @@ import torch
 from cadence.engine import agreement as agreements
 from cadence.engine import checks
 from cadence.engine.backend import Backend, batch_size
-from cadence.engine.bus import EventBus, Handle, as_event, callback_key
+from cadence.engine.bus import Callbacks, EventBus, Handle, as_event, callback_key
 from cadence.engine.control import Requests
 from cadence.engine.data import DataConfig, DataSource
 from cadence.engine.evaluation import MetricInputs, MetricSet
@@ -232,6 +232,8 @@ class Engine:
         self.outputs: Any = None
         self.batch_metrics: Mapping[str, Any] = {}
         self.loss: torch.Tensor | None = None
+        #: The step's pre-clip total gradient norm, on the device, when a callback computed it (`GradClip`).
+        self.grad_norm: torch.Tensor | None = None
         self.exception: BaseException | None = None
         #: The event bus: registered callbacks in their order, and `bus.fire(event)`, the one dispatch.
         self.bus = EventBus(self)
@@ -258,9 +260,11 @@ class Engine:
         if train_metrics is not None:
             updates = registry.callbacks.resolve("metric_updates")
             self.add_callback(updates(train_metrics, inputs=metric_inputs))
-        # An LRScheduler() the user registered already steps engine.schedulers.
-        if self.schedulers and not any(getattr(c, "steps_engine_schedulers", False) for c in self.callbacks):
-            self.add_callback(registry.callbacks.resolve("lr_scheduler")())
+        # An LRScheduler() the user registered already steps engine.schedulers (its documented attribute).
+        scheduler_callback = registry.callbacks.resolve("lr_scheduler")
+        stepping = self.callbacks.find(scheduler_callback)
+        if self.schedulers and not (stepping is not None and stepping.steps_engine_schedulers):
+            self.add_callback(scheduler_callback())
         if self.config.deterministic:  # before the backend touches CUDA
             rundir.enable_determinism()
         self.backend = _make_backend(backend if backend is not None else self.config.backend, self.config)
@@ -342,9 +346,20 @@ class Engine:
         self.bus.remove_function(fn, event)
 
     @property
-    def callbacks(self) -> tuple[Any, ...]:
-        """Registered callbacks in their resolved order (the order of every event)."""
+    def callbacks(self) -> Callbacks:
+        """Registered callbacks in their resolved order (the order of every event); `.find(kind)` finds one by type."""
         return self.bus.ordered
+
+    @property
+    def running(self) -> bool:
+        """True inside a run: `fit()`, `evaluate()` or `predict()` (an evaluate() inside fit() is part of the fit's)."""
+        return self._running
+
+    @property
+    def seed_was_drawn(self) -> bool:
+        """True when no seed was configured and the engine drew one (`config.seed` then holds it): a drawn
+        seed is not part of the run's identity (`cadence.run.rundir`), and a retry reuses the recorded one."""
+        return self._seed_given is None
 
     def hooks(self, event: Event | str) -> tuple[Callable[[Engine], None], ...]:
         """The bound hooks an event calls, in order."""
