@@ -18,7 +18,7 @@ import ctypes
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,8 @@ from cadence.backends.flight_recorder import DEFAULT_ENTRIES, FlightRecorder
 from cadence.backends.local import LocalBackend, Precision
 from cadence.backends.process_group import GroupSettings, TimeoutSwitch, start_group
 from cadence.backends.transforms import ModelTransforms, UnitsFn
-from cadence.engine.backend import Domain, ReduceOp, StepPlan
+from cadence.engine.backend import Domain, ReduceOp
+from cadence.engine.step import Step
 
 if TYPE_CHECKING:
     from cadence.backends.ft import FaultTolerance, FTConfig
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 #: works alone for longer (a first `torch.compile`, a huge checkpoint save).
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
-_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 class DDPBackend(LocalBackend):
@@ -134,7 +135,7 @@ class DDPBackend(LocalBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
-        self._overlapped = OverlappedAgreement()
+        self._overlapped = OverlappedAllReduce()
         more = {"precision_overrides": precision_overrides, "float8": float8}
         self.transforms = ModelTransforms.build(compile, activation_checkpointing, units, type(self).name, **more)
         self.units_fn = units_fn
@@ -166,10 +167,12 @@ class DDPBackend(LocalBackend):
         if not dist.is_available():
             raise RuntimeError("DDPBackend: this torch build has no torch.distributed support")
         if not dist.is_initialized():  # what setup would refuse after the group started is refused before it:
-            device = resolve_device(self.requested_device, process_group=self._group_backend(), current=False)
+            device = resolve_device(
+                self.requested_device, process_group=self.process_group_backend_name(), current=False
+            )
             Precision.create(self.precision_name, device)  # a device not here, fp16 without CUDA: no group left
             self.transforms.check(device, type(self).name)  # float8 without a capable GPU
-            self._init_process_group()
+            self.start_process_group()
         self.group = dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
@@ -184,7 +187,7 @@ class DDPBackend(LocalBackend):
                     "replica group, or use the mesh backend (MeshBackend(ft=...): FSDP2 inside a group)",
                 )
             self.data_rank, self.data_size = self.ft.data_shard(self.rank, self.world_size)
-        self.device = self._resolve_device()
+        self.device = self.rank_device()
         self.set_precision(self.precision_name, self.device)
         forward = self.prepare_model(engine)  # checkpointing, compile (cadence.backends.transforms)
         engine.model.to(self.device)
@@ -202,20 +205,22 @@ class DDPBackend(LocalBackend):
             self._wrapped = DistributedDataParallel(forward, device_ids=device_ids, **self.ddp_options)
         engine.wrapped_model = self._wrapped
 
-    def _resolve_device(self) -> torch.device:
+    def rank_device(self) -> torch.device:
         """This rank's device (`cadence.backends.device`), made current; after the group exists."""
         return resolve_device(
             self.requested_device, local_rank=self.local_rank, rank=self.rank, process_group=dist.get_backend()
         )
 
-    def _group_backend(self) -> str:
+    def process_group_backend_name(self) -> str:
         """The process-group backend this backend creates: as given, else NCCL for a CUDA device, else gloo."""
         # Before any group, no device asked for means the local-rank GPU when there is one.
         device = resolve_device(self.requested_device, current=False)
         return choose_process_group_backend(self.process_group_backend, device)
 
-    def _init_process_group(self) -> None:
-        self.flight_recorder = start_group(self._group_backend(), self.group_settings, self.requested_device)
+    def start_process_group(self) -> None:
+        self.flight_recorder = start_group(
+            self.process_group_backend_name(), self.group_settings, self.requested_device
+        )
         self.created_group = True
 
     def teardown(self) -> None:
@@ -231,20 +236,19 @@ class DDPBackend(LocalBackend):
             dist.destroy_process_group()
         self.created_group = False
 
-    # -- the step ---------------------------------------------------------
+    def build_step(self, engine: Engine) -> Step:
+        step = super().build_step(engine)
+        self.arm_timeout_switch(engine)
+        return step if self.ft is None else self.ft.build_step(engine, step)
 
-    def step_plan(self, engine: Engine) -> StepPlan:
-        plan = super().step_plan(engine)
-        self._arm_timeout_switch(engine)
-        if self.ft is None:
-            return self._with_overlapped_agreement(plan)
-        import attrs
-
-        # One process per replica group: no control request to agree with anyone (the mesh
-        # backend's groups of several processes agree inside the group).
+    def agreement_mode(self, engine: Engine) -> Literal["inline", "blocking", "overlapped"]:
+        """Overlapped over several ranks, blocking on one; with ft, blocking in a group of several, else inline."""
+        if self.ft is not None:
+            return "inline" if self.world_size == 1 else "blocking"
         if self.world_size == 1:
-            plan = attrs.evolve(plan, agree=None)
-        return self.ft.step_plan(engine, plan)
+            return "blocking"
+        self._overlapped.join(self.group, self.timeout)
+        return "overlapped"
 
     def data_shard(self, split: str) -> tuple[int, int]:
         """Training data over every rank (with ft: of every replica group); with ft, evaluation and prediction inside the group."""
@@ -265,12 +269,12 @@ class DDPBackend(LocalBackend):
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", domain: Domain = "data") -> torch.Tensor:
         """All-reduce a copy of `tensor` over `domain` (both are the world for DDP)."""
-        if op not in _OPS:
-            raise ValueError(f"reduce(op={op!r}): expected one of {sorted(_OPS)}")
+        if op not in REDUCE_OPS:
+            raise ValueError(f"reduce(op={op!r}): expected one of {sorted(REDUCE_OPS)}")
         result = tensor.detach().clone()
         if op == "mean" and not result.is_floating_point():
             result = result.double()
-        dist.all_reduce(result, op=_OPS[op], group=self.group)
+        dist.all_reduce(result, op=REDUCE_OPS[op], group=self.group)
         if op == "mean":
             result /= self.world_size
         return result
@@ -329,16 +333,13 @@ class DDPBackend(LocalBackend):
             self._agree_host.copy_(self._agree_device)  # type: ignore[union-attr]
         requests.accept(view[:])
 
-    def _with_overlapped_agreement(self, plan: StepPlan) -> StepPlan:
-        """`plan` with `agree_start` / `agree_finish` over the optimizer domain's ranks (more than one), on gloo."""
-        if self.world_size == 1 or plan.agree is None:
-            return plan
-        import attrs
+    def agree_start(self, requests: Requests) -> None:
+        self._overlapped.start(requests)
 
-        self._overlapped.join(self.group, self.timeout)
-        return attrs.evolve(plan, agree_start=self._overlapped.start, agree_finish=self._overlapped.finish)
+    def agree_finish(self, requests: Requests) -> None:
+        self._overlapped.finish(requests)
 
-    def _arm_timeout_switch(self, engine: Engine) -> None:
+    def arm_timeout_switch(self, engine: Engine) -> None:
         """At a fit's start: `init_timeout` until the first steps end on the groups this backend created (the
         world, and the agreement's own group when it has one)."""
         if self.created_group:
@@ -383,7 +384,7 @@ class DDPBackend(LocalBackend):
         return f"ddp(rank={self.rank}/{self.world_size}, {pg}, device={self.device}{ft})"
 
 
-class OverlappedAgreement:
+class OverlappedAllReduce:
     """The step's agreement sent without waiting: one MAX all-reduce, on a gloo group.
 
     `start` writes what is pending into a CPU buffer and launches the
@@ -443,11 +444,8 @@ class OverlappedAgreement:
 
 
 def _slots(slots: int, pin: bool = False) -> tuple[torch.Tensor, Any]:
-    """An int64 host tensor of `slots` zeros and a ctypes array over its memory.
-
-    The pending list is written into the array, and read back from it, without
-    a new tensor (and without numpy).
-    """
+    """An int64 host tensor of `slots` zeros and a ctypes array over its memory: the pending values are
+    written in and read back without a new tensor (and without numpy)."""
     tensor = torch.zeros(slots, dtype=torch.int64, pin_memory=pin)
     return tensor, (ctypes.c_int64 * slots).from_address(tensor.data_ptr())
 

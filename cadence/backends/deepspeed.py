@@ -40,7 +40,8 @@ import torch.distributed as dist
 from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend
 from cadence.backends.flight_recorder import DEFAULT_ENTRIES
 from cadence.backends.process_group import GroupSettings
-from cadence.engine.backend import NULL_CONTEXT, LocalParameter, StepPlan, move_to
+from cadence.engine.backend import NULL_CONTEXT, LocalParameter, move_to
+from cadence.engine.step import Step, nothing
 from cadence.run import config as config_module
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ class DeepSpeedBackend(DDPBackend):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.data_rank, self.data_size = self.rank, self.world_size
-        self.device = self._resolve_device()  # `cuda` is this rank's local GPU (cadence.backends.device)
+        self.device = self.rank_device()  # `cuda` is this rank's local GPU (cadence.backends.device)
         self._init_deepspeed_comm()
         deepspeed = self._deepspeed
         if self.created_group:
@@ -207,10 +208,10 @@ class DeepSpeedBackend(DDPBackend):
 
     def _join_group(self) -> None:
         if all(name in os.environ for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
-            self._init_process_group()
+            self.start_process_group()
             return
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            self._init_process_group()  # raises, naming what is missing
+            self.start_process_group()  # raises, naming what is missing
         # One process without a launcher: a group of one on an in-memory store. DeepSpeed reads the launcher's
         # variables itself (LOCAL_RANK is required): set those of one process. Set only for this engine and taken
         # back at teardown: left in the process, they would make a later engine (or a child) believe it was launched.
@@ -219,7 +220,7 @@ class DeepSpeedBackend(DDPBackend):
                 os.environ[name] = value
                 self._env_set.append(name)
         dist.init_process_group(
-            self._group_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout
+            self.process_group_backend_name(), store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout
         )
         self.created_group = True
 
@@ -266,21 +267,18 @@ class DeepSpeedBackend(DDPBackend):
 
     # -- the step ---------------------------------------------------------
 
-    def step_plan(self, engine: Engine) -> StepPlan:
-        plan = StepPlan(
-            schedule=None,
-            to_device=self.to_device if self.moves_batches else None,
-            autocast=NULL_CONTEXT,
-            gradient_sync=None,
-            backward=self.backward,
-            finish_gradients=None,
-            agree=self.agree if self.world_size > 1 else None,
+    def build_step(self, engine: Engine) -> Step:
+        self.arm_timeout_switch(engine)  # init_timeout until the first steps end (cadence.backends.process_group)
+        return Step(
             optimizer_step=self._step,
+            to_device=self.to_device if self.moves_batches else None,
+            backward=self.backward,
             skip_step=self._skip,
-            zero_grad=None,  # DeepSpeed zeroes in its step
+            zero_grad=nothing,  # DeepSpeed zeroes in its step
         )
-        self._arm_timeout_switch(engine)  # init_timeout until the first steps end (cadence.backends.process_group)
-        return self._with_overlapped_agreement(plan)
+
+    def agreement_mode(self, engine: Engine) -> Literal["inline", "blocking", "overlapped"]:
+        return "inline" if self.world_size == 1 else super().agreement_mode(engine)
 
     @property
     def moves_batches(self) -> bool:

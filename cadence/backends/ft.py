@@ -64,8 +64,8 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from cadence.engine.backend import StepPlan
     from cadence.engine.engine import Engine
+    from cadence.engine.step import Step
 
 logger = logging.getLogger("cadence.ft")
 
@@ -636,16 +636,16 @@ class FaultTolerance:
 
         return hook
 
-    def step_plan(self, engine: Engine, plan: StepPlan) -> StepPlan:
-        """Wrap a backend's step plan: quorum per step, commit-gated optimizer step, healing."""
+    def build_step(self, engine: Engine, step: Step) -> Step:
+        """Wrap a backend's step: quorum per step, commit-gated optimizer step, healing."""
         if self.manager is None:
             raise RuntimeError("ft: the backend's setup did not start TorchFT (FaultTolerance.start)")
         inner_sync, inner_backward, inner_step, inner_skip, inner_zero = (
-            plan.gradient_sync,
-            plan.backward,
-            plan.optimizer_step,
-            plan.skip_step,
-            plan.zero_grad,
+            step.gradient_sync,
+            step.backward,
+            step.optimizer_step,
+            step.skip_step,
+            step.zero_grad,
         )
         requests = engine.requests
         stop_slot = requests.index["stop"]
@@ -657,15 +657,12 @@ class FaultTolerance:
 
         def gradient_sync(enabled: bool) -> None:
             release()  # the state between two steps has been read (or was not asked for)
-            if inner_sync is not None:
-                inner_sync(enabled)
+            inner_sync(enabled)
 
         def backward(loss: torch.Tensor, micro_batches: int) -> None:
             try:
-                if inner_backward is None:
-                    (loss / micro_batches if micro_batches > 1 else loss).backward()
-                else:  # the backend's own (the mesh's: inside loss_parallel when configured)
-                    inner_backward(loss, micro_batches)
+                # The backend's own (the mesh's: inside loss_parallel when configured).
+                inner_backward(loss, micro_batches)
             except Exception as exc:  # the all-reduce waits for the quorum: say why it failed
                 self.raise_quorum_error(exc)
                 raise
@@ -678,12 +675,10 @@ class FaultTolerance:
 
         def skip_step() -> None:
             commit()  # the Manager counts every step (and applies a pending heal)
-            if inner_skip is not None:
-                inner_skip()
+            inner_skip()
 
         def zero_grad() -> None:
-            if inner_zero is not None:
-                inner_zero()
+            inner_zero()
             # No quorum after the fit's last step: a group that leaves must not be
             # waited for by the others (their next quorum forms without it).
             target = engine.fit_target[0]
@@ -693,7 +688,7 @@ class FaultTolerance:
         if getattr(engine.backend, "scaler", None) is not None:
             raise unsupported("a backend that backpropagates itself (fp16 GradScaler)", "use bf16 or fp32")
         return attrs.evolve(
-            plan,
+            step,
             gradient_sync=gradient_sync,
             backward=backward,
             optimizer_step=optimizer_step,

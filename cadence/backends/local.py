@@ -10,7 +10,7 @@ import torch
 
 from cadence.backends.device import make_current, resolve_device
 from cadence.backends.transforms import ModelTransforms, UnitsFn, unwrap_compiled
-from cadence.engine.backend import NULL_CONTEXT, Backend, StepPlan
+from cadence.engine.backend import NULL_CONTEXT, Backend
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine, EngineConfig
@@ -125,22 +125,6 @@ class LocalBackend(Backend):
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
-
-    def step_plan(self, engine: Engine) -> StepPlan:
-        plan = super().step_plan(engine)
-        if self.scaler is not None:
-            return plan
-        # Without a GradScaler this class backpropagates, finishes nothing and
-        # steps like the base (a subclass that overrides one keeps its own).
-        if not self._overrides("backward", LocalBackend):
-            plan = attrs.evolve(plan, backward=None)
-        if not self._overrides("finish_gradients", LocalBackend):
-            plan = attrs.evolve(plan, finish_gradients=None)
-        if not self._overrides("skip_step", LocalBackend):
-            plan = attrs.evolve(plan, skip_step=None)
-        if not self._overrides("optimizer_step", LocalBackend) and len(engine.optimizers) == 1:
-            plan = attrs.evolve(plan, optimizer_step=engine.optimizers[0].step)
-        return plan
 
     def finish_gradients(self, engine: Engine) -> None:
         if self.scaler is not None:

@@ -13,7 +13,7 @@ from cadence.run.registry import callbacks as _registry
 
 # Class name -> module, derived from the registry's built-in names.
 _CLASSES: dict[str, str] = {
-    target.partition(":")[2]: target.partition(":")[0] for target in _registry._builtins.values()
+    target.partition(":")[2]: target.partition(":")[0] for target in _registry.builtins.values()
 }
 
 

@@ -105,7 +105,7 @@ class GradClip(Callback):
     def on_before_optimizer_step(self, engine: Engine) -> None:
         config = self.config
         norm = engine.backend.clip_grad_norm_(engine, config.max_norm, config.norm_type)
-        engine.grad_norm = self._norm = norm  # type: ignore[attr-defined]  # read by TrainMetrics and users
+        engine.grad_norm = self._norm = norm  # the step context's declared field: TrainMetrics and users read it
 
     def _log_norm(self, engine: Engine) -> None:
         if self._norm is not None:  # the last step's norm, logged when the engine reduces

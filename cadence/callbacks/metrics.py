@@ -260,7 +260,7 @@ class TrainMetrics(Callback):
             for name, value in learning_rates(engine.optimizers):
                 engine.log(name, value, "last")
         if config.grad_norm:
-            grad_norm = getattr(engine, "grad_norm", None)
+            grad_norm = engine.grad_norm
             if grad_norm is not None and "grad_norm" not in engine.metrics:
                 engine.log("grad_norm", grad_norm, "max")  # as GradClip logs it
         if steps:

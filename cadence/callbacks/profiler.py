@@ -167,7 +167,7 @@ class Profiler(Callback):
     def _sync_instrument(self, engine: Engine) -> None:
         recording = self._recording()
         if recording != self._instrumented:
-            engine._bus.instrument(_record_function if recording else None)
+            engine.instrument(_record_function if recording else None)
             self._instrumented = recording
         if self.config.memory_snapshot:
             self._memory_history(recording)
@@ -203,7 +203,7 @@ class Profiler(Callback):
 
     def _stop(self, engine: Engine) -> None:
         if self._instrumented:
-            engine._bus.instrument(None)
+            engine.instrument(None)
             self._instrumented = False
         profiler, self.profiler = self.profiler, None
         if profiler is not None:

@@ -10,6 +10,7 @@ from typing import IO, TYPE_CHECKING, Any
 import attrs
 
 from cadence.callbacks.metrics import LineThrottle, eval_split, is_main
+from cadence.callbacks.progress import ProgressBar
 from cadence.engine.callback import Callback
 from cadence.engine.order import Order
 from cadence.run import config as config_module
@@ -137,7 +138,7 @@ class TextLog(Callback):
             console_handler.setFormatter(formatter)
             show_metrics = config.console_metrics
             if show_metrics is None:
-                show_metrics = not any(type(c).__name__ == "ProgressBar" for c in engine.callbacks)
+                show_metrics = engine.callbacks.find(ProgressBar) is None
             if not show_metrics:
                 console_handler.addFilter(_NotMetrics())
             self._handlers.append(console_handler)

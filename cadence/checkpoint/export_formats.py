@@ -45,17 +45,17 @@ def read_torch(path: Path) -> dict[str, Any]:
     return {"model": obj, "optimizers": None, "metadata": {}}
 
 
-def _flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
+def _flatten_tensors(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
     if torch.is_tensor(obj):
         name = f"{prefix}.{len(tensors)}"
         tensors[name] = obj
         return {TENSOR: name}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
-            return {k: _flatten(v, tensors, prefix) for k, v in obj.items()}
-        return {KEYS: list(obj), "values": [_flatten(v, tensors, prefix) for v in obj.values()]}
+            return {k: _flatten_tensors(v, tensors, prefix) for k, v in obj.items()}
+        return {KEYS: list(obj), "values": [_flatten_tensors(v, tensors, prefix) for v in obj.values()]}
     if isinstance(obj, (list, tuple)):
-        return [_flatten(v, tensors, prefix) for v in obj]
+        return [_flatten_tensors(v, tensors, prefix) for v in obj]
     return obj
 
 
@@ -78,7 +78,7 @@ def write_safetensors(
     metadata = dict(meta)
     if optimizers is not None:
         extra: dict[str, torch.Tensor] = {}
-        structure = [_flatten(state, extra, f"optimizers.{i}") for i, state in enumerate(optimizers)]
+        structure = [_flatten_tensors(state, extra, f"optimizers.{i}") for i, state in enumerate(optimizers)]
         clash = sorted(set(extra) & set(tensors))
         if clash:
             raise ValueError(f"model keys {clash} clash with the optimizer tensors' names; export the model alone")

@@ -41,14 +41,14 @@ class ObjectDCPStore(ObjectStore):
         """Every rank: write the shards; the main rank uploads and names the save; any error is raised on every rank."""
         file_io.check_name(name)
         group, rank, world = self._group()
-        save = dcp_io.broadcast(self._new_id(name) if rank == 0 else None, group, world)
-        with self._staging(save) as local:
+        save = dcp_io.broadcast(self.new_save_id(name) if rank == 0 else None, group, world)
+        with self.staging_store(save) as local:
             manifest = local.write(save, payload)  # every rank, together
             problem = None
             if rank == 0:
                 try:
-                    self._upload(local.path(save), save)
-                    self._point(name, save, manifest)
+                    self.upload(local.path(save), save)
+                    self.write_pointer(name, save, manifest)
                 except Exception as exc:
                     problem = f"{type(exc).__name__}: {exc}"
             problem = dcp_io.broadcast(problem, group, world)  # the others keep the staged files until here
@@ -65,7 +65,7 @@ class ObjectDCPStore(ObjectStore):
         group, rank, world = self._group()
         problem = None
         try:
-            self._fetch(name, True)
+            self.fetch(name, True)
         except CheckpointError as exc:
             problem = exc.reason
         for other, found in enumerate(dcp_io.all_gather(problem, group, world)):

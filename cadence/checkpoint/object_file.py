@@ -32,9 +32,9 @@ class ObjectFileStore(ObjectStore):
     def write(self, name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
         """Stage, upload (manifest last), then point `name` at the new save and drop the one it replaced."""
         file_io.check_name(name)
-        save = self._new_id(name)
-        with self._staging(save) as local:
+        save = self.new_save_id(name)
+        with self.staging_store(save) as local:
             manifest = local.write(save, payload)
-            self._upload(local.path(save), save)
-        self._point(name, save, manifest)
+            self.upload(local.path(save), save)
+        self.write_pointer(name, save, manifest)
         return manifest

@@ -171,7 +171,7 @@ class ObjectStore(CheckpointStore):
             saves[found.rstrip("/").rsplit("/", 2)[-2]] = True
         return saves
 
-    def _point(self, name: str, save: str, manifest: Mapping[str, Any]) -> None:
+    def write_pointer(self, name: str, save: str, manifest: Mapping[str, Any]) -> None:
         """Make `name` point at `save` (one PUT), then remove the save it pointed at if nothing else does."""
         file_io.check_name(name)
         before = self.target(name)
@@ -191,11 +191,11 @@ class ObjectStore(CheckpointStore):
 
     # -- writing (the subclasses' `write` frames `_upload`) ---------------------------------------
 
-    def _new_id(self, name: str) -> str:
+    def new_save_id(self, name: str) -> str:
         return new_id(name)
 
     @contextlib.contextmanager
-    def _staging(self, save: str) -> Iterator[FolderStore]:
+    def staging_store(self, save: str) -> Iterator[FolderStore]:
         """The local store writing into the staging folder; the staged copy is removed at exit."""
         stage = self._local() / "stage"
         stage.mkdir(parents=True, exist_ok=True)
@@ -208,7 +208,7 @@ class ObjectStore(CheckpointStore):
             with self._shared.lock:
                 self._shared.active.discard(save)
 
-    def _upload(self, folder: Path, save: str) -> None:
+    def upload(self, folder: Path, save: str) -> None:
         """Upload one staged save: every file, then its manifest (the commit marker)."""
         files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
         data = [file for file in files if file != MANIFEST]
@@ -224,7 +224,7 @@ class ObjectStore(CheckpointStore):
     def _cache(self) -> Path:
         return self._local() / f"cache-{os.getpid()}"
 
-    def _fetch(self, name: str, files: bool) -> tuple[str, FolderStore]:
+    def fetch(self, name: str, files: bool) -> tuple[str, FolderStore]:
         """Download `name`'s save into this process's cache; the local store there.
 
         `files=False`: the manifest and the small files (up to `SMALL` bytes: the local store's manifest checks
@@ -265,7 +265,7 @@ class ObjectStore(CheckpointStore):
     def _reading(self, name: str, files: bool, work: Any) -> Any:
         """`work(save, local_store)` on `name`'s downloaded save; errors name the URL. Again if the pointer moved."""
         for attempt in range(3):
-            save, local = self._fetch(name, files)
+            save, local = self.fetch(name, files)
             try:
                 return work(save, local)
             except CheckpointError as exc:
@@ -303,7 +303,7 @@ class ObjectStore(CheckpointStore):
         manifest = self.manifest(src)  # only a complete checkpoint gets another name
         save = self.target(src)
         assert save is not None
-        self._point(dst, save, manifest)
+        self.write_pointer(dst, save, manifest)
 
     def delete(self, name: str) -> None:
         """Remove the pointer `name`, then its save once no other pointer refers to it."""

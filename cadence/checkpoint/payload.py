@@ -365,7 +365,7 @@ def _check_config(engine: Engine, saved: Mapping[str, Any], strict: bool, fail: 
         for name in DATA_FIELDS
         if _dotted(saved, name) != _dotted(current, name)
     ]
-    saved_seed, seed_given = saved.get("seed"), getattr(engine, "_seed_given", engine.config.seed)
+    saved_seed, seed_given = saved.get("seed"), None if engine.seed_was_drawn else engine.config.seed
     if saved_seed is not None and seed_given is not None and saved_seed != seed_given:
         changed.append(f"seed: checkpoint {saved_seed!r}, this run {seed_given!r}")
     if not changed:
@@ -380,7 +380,7 @@ def _check_config(engine: Engine, saved: Mapping[str, Any], strict: bool, fail: 
 def _restore_position(engine: Engine, payload: Mapping[str, Any], positions: list[Any] | None) -> None:
     state = dict(payload["engine"])
     saved_seed = ((payload.get("config") or {}).get("engine") or {}).get("seed")
-    drawn = getattr(engine, "_seed_given", engine.config.seed) is None
+    drawn = engine.seed_was_drawn
     if drawn and saved_seed is not None and saved_seed != engine.seed:
         # No seed was given and the engine drew one: continue with the saved run's shuffling.
         engine.seed = saved_seed

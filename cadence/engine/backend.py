@@ -1,9 +1,10 @@
 """The backend contract: how the loop talks to a distribution strategy.
 
 The loop never branches on which backend it has. A backend places and wraps
-the model, says once per fit what a step calls (`step_plan`: batch placement,
+the model, builds once per fit what a step calls (`build_step`: batch placement,
 autocast, gradient sync, backward, optimizer step; or its own schedule over
-a step's micro-batches), answers collectives over two domains, and saves and
+a step's micro-batches) and says how control requests are agreed
+(`agreement_mode`), answers collectives over two domains, and saves and
 loads checkpoints. `Backend` implements everything for one process; a
 distributed backend overrides what differs. See docs/backends.md.
 
@@ -30,16 +31,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import attrs
 import torch
 
+from cadence.engine.step import NULL_CONTEXT, Step
+
 if TYPE_CHECKING:
     from cadence.engine.control import Requests
     from cadence.engine.engine import Engine
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 Domain = Literal["data", "optimizer"]
-
-_NULL = contextlib.nullcontext()
-#: The context backends return when there is nothing to enter; the loop skips it.
-NULL_CONTEXT = _NULL
 
 
 @attrs.frozen
@@ -57,57 +56,6 @@ class LocalParameter:
     name: str
     param: torch.Tensor
     local: torch.Tensor
-
-
-@attrs.frozen
-class StepPlan:
-    """What the loop calls on every step, decided by the backend once per fit.
-
-    None means "nothing to do": the loop then makes no call at all, which on a
-    tiny step is measurable (every Python call between torch ops shows).
-
-    Attributes:
-        schedule: runs all of a step's micro-batches itself (pipeline), or None:
-            the loop runs them.
-        to_device: places a batch, or None: batches are used as given.
-        autocast: the context forward runs in (`NULL_CONTEXT`: none).
-        gradient_sync: `set_gradient_sync`, or None when there is nothing to sync.
-        backward: backpropagates a micro-batch's loss, or None: the loop calls
-            `loss.backward()` itself (on `loss / micro_batches` when accumulating).
-        finish_gradients: makes gradients final (unscale), or None.
-        agree: agrees the step's control requests across ranks, or None: there
-            is no other rank, and the loop accepts what is pending itself.
-        optimizer_step: steps the optimizers (no arguments). It returns
-            `False` when the backend did not apply the update (DeepSpeed's own
-            non-finite skip, a commit TorchFT refused): the loop then counts the
-            step as an agreed skip, which every callback sees. Anything else
-            (None, a loss) means applied.
-        skip_step: called instead of `optimizer_step` when a skip was agreed
-            (no arguments), or None: nothing to do then.
-        zero_grad: clears the gradients (no arguments; to None), or None when
-            the optimizer step already did (DeepSpeed).
-        agree_start, agree_finish: the agreement overlapped with the step:
-            `agree_start` sends what is pending right after `on_step_start`
-            without waiting, `agree_finish` waits for it before the optimizer
-            step and accepts the result. The loop uses them instead of `agree`
-            while no callback requests inside the step; None (both): the loop
-            calls `agree` there, or accepts itself with no other rank. While
-            no registered callback may request at all, the loop calls none of
-            the three (`Callback.raises_requests`).
-    """
-
-    schedule: Callable[[Engine, Sequence[Any]], None] | None
-    to_device: Callable[[Any], Any] | None
-    autocast: contextlib.AbstractContextManager[Any]
-    gradient_sync: Callable[[bool], None] | None
-    backward: Callable[[torch.Tensor, int], None] | None
-    finish_gradients: Callable[[Engine], None] | None
-    agree: Callable[[Requests], None] | None
-    optimizer_step: Callable[[], Any]
-    skip_step: Callable[[], None] | None
-    zero_grad: Callable[[], None] | None
-    agree_start: Callable[[Requests], None] | None = None
-    agree_finish: Callable[[Requests], None] | None = None
 
 
 class Backend:
@@ -164,39 +112,34 @@ class Backend:
 
     # -- the step ---------------------------------------------------------
 
-    def step_plan(self, engine: Engine) -> StepPlan:
-        """The step's calls for the coming fit.
+    def build_step(self, engine: Engine) -> Step:
+        """The step's calls for the coming fit (`cadence.engine.step.Step`), built at every fit's start.
 
-        Methods a subclass leaves as the base's (`forward_backward`,
-        `set_gradient_sync`, `backward`, `finish_gradients`, `agree`,
-        `skip_step`) are None,
-        so the loop skips the call or does the plain thing inline; the base
-        optimizer step and zero_grad of a single optimizer are that
-        optimizer's own methods, called directly.
+        The base calls this backend's own methods; `forward_backward` becomes
+        the step's schedule only when a subclass overrides it.
         """
-        single = engine.optimizers[0] if len(engine.optimizers) == 1 else None
-        return StepPlan(
-            schedule=self.forward_backward if self._overrides("forward_backward") else None,
-            to_device=self.to_device if self.moves_batches else None,
+        return Step(
+            optimizer_step=functools.partial(self.optimizer_step, engine),
             autocast=self.autocast(),
-            gradient_sync=self.set_gradient_sync if self._overrides("set_gradient_sync") else None,
-            backward=self.backward if self._overrides("backward") else None,
-            finish_gradients=self.finish_gradients if self._overrides("finish_gradients") else None,
-            agree=self.agree if self._overrides("agree") else None,
-            agree_start=self.agree_start if self._overrides("agree_start") else None,
-            agree_finish=self.agree_finish if self._overrides("agree_finish") else None,
-            optimizer_step=(
-                single.step
-                if single is not None and not self._overrides("optimizer_step")
-                else functools.partial(self.optimizer_step, engine)
-            ),
-            skip_step=functools.partial(self.skip_step, engine) if self._overrides("skip_step") else None,
-            zero_grad=(
-                single.zero_grad  # set_to_none=True is its default
-                if single is not None and not self._overrides("zero_grad")
-                else functools.partial(self.zero_grad, engine)
-            ),
+            to_device=self.to_device if self.moves_batches else None,
+            gradient_sync=self.set_gradient_sync,
+            backward=self.backward,
+            finish_gradients=self.finish_gradients,
+            skip_step=functools.partial(self.skip_step, engine),
+            zero_grad=functools.partial(self.zero_grad, engine),
+            schedule=self.forward_backward if self._overrides("forward_backward") else None,
         )
+
+    def agreement_mode(self, engine: Engine) -> Literal["inline", "blocking", "overlapped"]:
+        """How this fit agrees control requests (`cadence.engine.agreement`); asked at every fit's start, on every rank.
+
+        "inline": one rank in the optimizer domain (the base); "blocking":
+        `agree` before the optimizer step; "overlapped": `agree_start` after
+        on_step_start and `agree_finish` before the optimizer step (the engine
+        falls back to `agree` while a callback requests inside the step). A
+        backend may prepare what the overlapped way needs here (a group).
+        """
+        return "blocking" if self._overrides("agree") else "inline"
 
     def _overrides(self, name: str, base: type[Backend] | None = None) -> bool:
         """Whether this backend's class redefines `name` below `base` (default: `Backend`)."""
@@ -232,7 +175,7 @@ class Backend:
         The engine asks once per fit and enters the same context around every
         micro-batch's forward, so it must be re-enterable (torch.autocast is).
         """
-        return _NULL
+        return NULL_CONTEXT
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """Whether the next backward synchronizes gradients across ranks.
@@ -319,7 +262,7 @@ class Backend:
         whose forward needs every rank (FSDP2 gathers parameters in each
         forward) holds what it needs here so that uneven shards finish.
         """
-        return _NULL
+        return NULL_CONTEXT
 
     def eval_lockstep(self, engine: Engine) -> Domain | None:
         """The domain whose ranks must all run the same number of evaluation forwards, or None (the default).
@@ -374,10 +317,10 @@ class Backend:
         return tensor.unsqueeze(0)
 
     def agree(self, requests: Requests) -> None:
-        """Agree every pending control request across the optimizer domain (MAX).
+        """Agree every pending control request across the optimizer domain (MAX), then `requests.accept(values)`.
 
-        A backend with one rank in that domain leaves this as it is: the loop
-        then does the same inline.
+        A backend with one rank in that domain leaves this as it is (its
+        `agreement_mode` is then "inline": the loop accepts what is pending itself).
         """
         if requests.any_pending or requests.any_agreed:
             requests.accept(requests.pending)
@@ -385,9 +328,9 @@ class Backend:
     def agree_start(self, requests: Requests) -> None:
         """Start agreeing what is pending, without waiting (overlapped with the step's forward and backward).
 
-        Called right after `on_step_start` on every rank, while no callback
-        requests inside the step; `agree_finish` ends it before the optimizer
-        step. A backend overrides both or neither (then `agree` is used).
+        Called right after `on_step_start` on every rank, in a fit whose
+        `agreement_mode` is "overlapped" while no callback requests inside the
+        step; `agree_finish` ends it before the optimizer step.
         """
 
     def agree_finish(self, requests: Requests) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import types
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from cadence.engine.callback import Callback, overridden_hooks, warn_misspelled_hooks
 from cadence.engine.events import Event
@@ -160,6 +159,18 @@ class FunctionHandler:
         return f"FunctionHandler({self.state_key!r}, event={self.event.value}, order={self.order})"
 
 
+CallbackType = TypeVar("CallbackType")
+
+
+class Callbacks(tuple):  # type: ignore[type-arg]
+    """The registered callbacks in their resolved order (`engine.callbacks`): a tuple, plus `find`."""
+
+    def find(self, kind: type[CallbackType]) -> CallbackType | None:
+        """The first registered callback that is an instance of `kind` (a class or a runtime-checkable
+        protocol), or None: `engine.callbacks.find(Checkpoint)`."""
+        return next((callback for callback in self if isinstance(callback, kind)), None)
+
+
 class Handle:
     """Returned by `engine.add_callback` and `engine.add_handler`; `remove()` unregisters.
 
@@ -177,27 +188,21 @@ class EventBus:
     """Holds callbacks in their resolved order and dispatches events.
 
     At each registration it rebuilds, per event, one tuple of the bound hooks
-    of the callbacks that override it, so firing an event is a loop over a
-    tuple; each event runs that loop from its own copy of the code (`fires`),
-    or, with one hook (the usual case), calls it without the loop.
+    of the callbacks that override it (`registered`); `fire(event)` calls the
+    tuple of `table`, the dispatch table: the registered hooks, or while an
+    instrument is set (`instrument`), one hook running them inside its context.
     """
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._entries: list[tuple[Any, int]] = []  # (callback, registration index)
         self._index = itertools.count()
-        self.ordered: tuple[Any, ...] = ()
+        self.ordered = Callbacks()
+        #: Event -> the hooks `fire(event)` calls, in order: the dispatch table.
         self.table: dict[Event, tuple[Callable[[Engine], None], ...]] = {e: () for e in Event}
-        self._plain_table = dict(self.table)
+        #: Event -> the registered callbacks' hooks, in order (`table` without an instrument).
+        self.registered: dict[Event, tuple[Callable[[Engine], None], ...]] = dict(self.table)
         self._instrument: Callable[[Event], Any] | None = None
-        #: Event -> `fire_event(engine)`, calling that event's hooks (read from
-        #: `table` at each call) with the event's own copy of the dispatch loop;
-        #: for an event with one hook, a function that calls that hook (set at
-        #: each rebuild, in place: the loop holds this dict).
-        self._loops: dict[Event, Callable[[Engine], None]] = {
-            e: types.FunctionType(_DISPATCH_CODE[e], globals(), e.value, (self.table, e)) for e in Event
-        }
-        self.fires: dict[Event, Callable[[Engine], None]] = dict(self._loops)
 
     # -- registration -----------------------------------------------------
 
@@ -284,7 +289,7 @@ class EventBus:
     # -- order ------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        self.ordered = tuple(_resolve_order(self._entries))
+        self.ordered = Callbacks(_resolve_order(self._entries))
         table: dict[Event, list[Callable[[Engine], None]]] = {e: [] for e in Event}
         for callback in self.ordered:
             if isinstance(callback, FunctionHandler):
@@ -292,7 +297,7 @@ class EventBus:
                 continue
             for event in overridden_hooks(callback):
                 table[event].append(getattr(callback, event.value))
-        self._plain_table = {e: tuple(hooks) for e, hooks in table.items()}
+        self.registered = {e: tuple(hooks) for e, hooks in table.items()}
         self._apply_instrument()
 
     def instrument(self, make_context: Callable[[Event], Any] | None) -> None:
@@ -306,31 +311,28 @@ class EventBus:
 
     def _apply_instrument(self) -> None:
         make = self._instrument
-        # Updated in place: the loop holds this dict and tests `table[event]`
-        # before calling fire, so an event nobody listens to costs no call.
         if make is None:
-            self.table.update(self._plain_table)
+            self.table = dict(self.registered)
         else:
-            self.table.update({e: (_Instrumented(self, e, hooks, make),) for e, hooks in self._plain_table.items()})
-        # One hook: called without the loop (a call and a tuple walk less per event on the step).
-        self.fires.update(
-            {
-                e: types.FunctionType(_DISPATCH_ONE_CODE[e], globals(), e.value, (hooks[0], e))
-                if len(hooks) == 1
-                else self._loops[e]
-                for e, hooks in self.table.items()
-            }
-        )
+            self.table = {e: (_Instrumented(self, e, hooks, make),) for e, hooks in self.registered.items()}
 
     # -- dispatch ---------------------------------------------------------
 
     def fire(self, event: Event) -> None:
-        self.fires[event](self._engine)
+        """Call `event`'s hooks in order; an error names the callback and event (`hook_failure`)."""
+        hook = None
+        try:
+            for hook in self.table[event]:
+                hook(self._engine)
+        except HookError:
+            raise
+        except Exception as exc:
+            _raise_hook_failure(self._engine, self, hook, event, exc)
 
     def fire_all(self, event: Event) -> list[BaseException]:
         """Call every hook even if some raise (for on_exception / on_teardown)."""
         errors: list[BaseException] = []
-        for hook in self._plain_table[event]:
+        for hook in self.registered[event]:
             try:
                 hook(self._engine)
             except Exception as exc:
@@ -348,43 +350,12 @@ class EventBus:
         return getattr(hook, "__self__", hook)
 
 
-def _dispatch(engine: Engine, table: dict[Event, tuple[Any, ...]] | None = None, event: Any = None) -> None:
-    """Call `event`'s hooks in order; the template of every event's `fires` entry."""
-    hook = None
-    try:
-        for hook in table[event]:  # type: ignore[index]
-            hook(engine)
-    except HookError:
-        raise
-    except Exception as exc:
-        _raise_hook_failure(engine, engine._bus, hook, event, exc)
-
-
-def _dispatch_one(engine: Engine, hook: Any = None, event: Any = None) -> None:
-    """Call an event's only hook; the template of `fires` for an event with one hook."""
-    try:
-        hook(engine)
-    except HookError:
-        raise
-    except Exception as exc:
-        _raise_hook_failure(engine, engine._bus, hook, event, exc)
-
-
 def _raise_hook_failure(engine: Engine, bus: EventBus, hook: Any, event: Any, exc: Exception) -> NoReturn:
     """Raise what `exc`, raised by `hook` on `event`, becomes (`hook_failure`): itself, or a `HookError`."""
     error = hook_failure(bus.owner(hook, event), event, exc, engine.state.step)
     if error is exc:
         raise exc
     raise error from exc
-
-
-# Each event dispatches with its own copy of `_dispatch`'s (or `_dispatch_one`'s)
-# code. CPython specializes a call site for the function it keeps calling; one
-# loop shared by every event calls all of their hooks from one site and stays
-# generic (measured 36 against 29 ns a hook). With a copy per event, the site of
-# an event with one listener, the usual case, always calls the same function.
-_DISPATCH_CODE = {e: _dispatch.__code__.replace(co_name=e.value) for e in Event}
-_DISPATCH_ONE_CODE = {e: _dispatch_one.__code__.replace(co_name=e.value) for e in Event}
 
 
 class _Instrumented:
@@ -481,4 +452,4 @@ def _find_cycle(edges: dict[str, set[str]], nodes: set[str]) -> list[str]:
     return [*cycle, cycle[0]]
 
 
-__all__ = ["CadenceError", "Callback", "EventBus", "FunctionHandler", "Handle", "HookError", "OrderError"]
+__all__ = ["CadenceError", "Callback", "Callbacks", "EventBus", "FunctionHandler", "Handle", "HookError", "OrderError"]

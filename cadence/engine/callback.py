@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from cadence.engine.events import Event
 
@@ -126,6 +126,27 @@ def overridden_hooks(callback: object) -> list[Event]:
             continue
         events.append(event)
     return events
+
+
+@runtime_checkable
+class BestScore(Protocol):
+    """The best-score protocol: a callback that tracks the best value of one metric (`Checkpoint`).
+
+    The run record (`metadata/attempts.jsonl`, `cadence.run.rundir`) labels its
+    `best` entry with these, from the first registered callback that has a
+    score: any callback with the three attributes takes part.
+
+    Attributes:
+        best_score: the best value so far (None before any).
+        best_metric: the metric's name as `engine.logged` holds it (`val.acc`).
+        best_step: the step it was reached at (None before any).
+    """
+
+    best_score: float | None
+    best_step: int | None
+
+    @property
+    def best_metric(self) -> str: ...
 
 
 _EVENT_NAMES = tuple(e.value for e in Event)

@@ -7,35 +7,30 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
 
+from cadence.engine import agreement as agreements
 from cadence.engine import checks
-from cadence.engine.backend import NULL_CONTEXT, Backend, batch_size, restore_training_mode
-from cadence.engine.bus import EventBus, Handle, as_event, callback_key
-from cadence.engine.control import IN_STEP_EVENTS, Requests
+from cadence.engine.backend import Backend, batch_size
+from cadence.engine.bus import Callbacks, EventBus, Handle, as_event, callback_key
+from cadence.engine.control import Requests
 from cadence.engine.data import DataConfig, DataSource
-from cadence.engine.evaluation import MetricError, MetricInputs, MetricSet, gather_outputs, in_lockstep, scalar
+from cadence.engine.evaluation import MetricInputs, MetricSet
+from cadence.engine.evaluator import Evaluator, split_name
 from cadence.engine.events import Event
 from cadence.engine.feed import TrainFeed
 from cadence.engine.metrics import MetricStore, Reduction
 from cadence.engine.placement import Placement
 from cadence.engine.state import State, seed_everything
+from cadence.engine.step import Step, as_given
 from cadence.run import config as config_module
 from cadence.run import registry, rundir
 
 logger = logging.getLogger("cadence")
-
-# Events of the step as module constants: `Event.X` costs an enum attribute lookup (~65 ns) each time.
-_ON_STEP_START, _ON_STEP_END = Event.ON_STEP_START, Event.ON_STEP_END
-_ON_BEFORE_OPTIMIZER_STEP, _ON_OPTIMIZER_STEP = Event.ON_BEFORE_OPTIMIZER_STEP, Event.ON_OPTIMIZER_STEP
-_ON_BATCH, _ON_FORWARD, _ON_BACKWARD = Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD
-_ON_SAVE_POINT = Event.ON_SAVE_POINT
-
 
 _optional_ge0 = attrs.validators.optional(attrs.validators.ge(0))
 
@@ -231,21 +226,24 @@ class Engine:
                 f"config eval_sets.{unknown[0]}: eval_data has no split {unknown[0]!r} (it has {sorted(eval_sets)}); "
                 "name the sets alike in eval_data={...} and the config"
             )
-        self._metric_inputs_given = metric_inputs is not None
+        #: Runs evaluate() and predict() (`cadence.engine.evaluator`).
+        self.evaluator = Evaluator(self, metric_inputs_given=metric_inputs is not None)
         self.batch: Any = None
         self.outputs: Any = None
         self.batch_metrics: Mapping[str, Any] = {}
         self.loss: torch.Tensor | None = None
+        #: The step's pre-clip total gradient norm, on the device, when a callback computed it (`GradClip`).
+        self.grad_norm: torch.Tensor | None = None
         self.exception: BaseException | None = None
-        self._bus = EventBus(self)
-        self.fire = self._bus.fire
-        #: Event -> the hooks it calls (a stable dict, updated in place): test
-        #: `hooks_table[event]` before `fire(event)` on hot paths.
-        self.hooks_table = self._bus.table
+        #: The event bus: registered callbacks in their order, and `bus.fire(event)`, the one dispatch.
+        self.bus = EventBus(self)
         self._running = False
         self._setup_done = False
         self.feed = TrainFeed()  # the train data's open epoch and unfinished step
-        self._active_metrics = self.metrics
+        #: Where `engine.log` records: `metrics`, or during evaluation that evaluation's store.
+        self.metric_sink: MetricStore = self.metrics
+        #: What `engine.log` puts before a name: "" in training, "split." during evaluation.
+        self.metric_prefix = ""
         self._run_dir: Path | None = None
         self._run_info: rundir.RunInfo | None = None
         self.long_operation_name: str | None = None
@@ -262,9 +260,11 @@ class Engine:
         if train_metrics is not None:
             updates = registry.callbacks.resolve("metric_updates")
             self.add_callback(updates(train_metrics, inputs=metric_inputs))
-        # An LRScheduler() the user registered already steps engine.schedulers.
-        if self.schedulers and not any(getattr(c, "steps_engine_schedulers", False) for c in self.callbacks):
-            self.add_callback(registry.callbacks.resolve("lr_scheduler")())
+        # An LRScheduler() the user registered already steps engine.schedulers (its documented attribute).
+        scheduler_callback = registry.callbacks.resolve("lr_scheduler")
+        stepping = self.callbacks.find(scheduler_callback)
+        if self.schedulers and not (stepping is not None and stepping.steps_engine_schedulers):
+            self.add_callback(scheduler_callback())
         if self.config.deterministic:  # before the backend touches CUDA
             rundir.enable_determinism()
         self.backend = _make_backend(backend if backend is not None else self.config.backend, self.config)
@@ -298,7 +298,7 @@ class Engine:
         """
         if isinstance(callback, (str, Mapping)):
             callback = registry.build_callback(callback)
-        return self._bus.add(callback)
+        return self.bus.add(callback)
 
     def on(
         self,
@@ -323,7 +323,7 @@ class Engine:
         event = as_event(event)  # an unknown name fails here, before the decorated function
 
         def register(fn: HookFn) -> HookFn:
-            self._bus.add_function(event, fn, every=every, once=once, when=when, order=order)
+            self.bus.add_function(event, fn, every=every, once=once, when=when, order=order)
             return fn
 
         return register
@@ -339,20 +339,31 @@ class Engine:
         order: int = 50,
     ) -> Handle:
         """Register `fn(engine)` on one event, as `on` does; returns a handle whose `remove()` unregisters it."""
-        return self._bus.add_function(event, fn, every=every, once=once, when=when, order=order)
+        return self.bus.add_function(event, fn, every=every, once=once, when=when, order=order)
 
     def remove_handler(self, fn: Callable[[Engine], Any], event: Event | str | None = None) -> None:
         """Unregister `fn`, registered with `on` or `add_handler` (from `event` only, when given)."""
-        self._bus.remove_function(fn, event)
+        self.bus.remove_function(fn, event)
 
     @property
-    def callbacks(self) -> tuple[Any, ...]:
-        """Registered callbacks in their resolved order (the order of every event)."""
-        return self._bus.ordered
+    def callbacks(self) -> Callbacks:
+        """Registered callbacks in their resolved order (the order of every event); `.find(kind)` finds one by type."""
+        return self.bus.ordered
+
+    @property
+    def running(self) -> bool:
+        """True inside a run: `fit()`, `evaluate()` or `predict()` (an evaluate() inside fit() is part of the fit's)."""
+        return self._running
+
+    @property
+    def seed_was_drawn(self) -> bool:
+        """True when no seed was configured and the engine drew one (`config.seed` then holds it): a drawn
+        seed is not part of the run's identity (`cadence.run.rundir`), and a retry reuses the recorded one."""
+        return self._seed_given is None
 
     def hooks(self, event: Event | str) -> tuple[Callable[[Engine], None], ...]:
         """The bound hooks an event calls, in order."""
-        return self._bus._plain_table[Event(event)]
+        return self.bus.registered[Event(event)]
 
     # -- the run ------------------------------------------------------------
 
@@ -427,9 +438,7 @@ class Engine:
         Inside evaluation the name is prefixed with the split (`val.`).
         Values stay on the device until then: no host sync per call.
         """
-        self._active_metrics.log(self._metric_prefix + name, value, reduce, weight)
-
-    _metric_prefix = ""
+        self.metric_sink.log(self.metric_prefix + name, value, reduce, weight)
 
     # -- running ------------------------------------------------------------
 
@@ -448,141 +457,86 @@ class Engine:
             self._fit(stop_step, stop_epoch)
 
     def _fit(self, stop_step: float, stop_epoch: float) -> None:
-        state, fire, requests = self.state, self.fire, self.requests
-        # `hooks[event] and fires[event](self)`: an event nobody listens to costs a dict lookup, not a call
-        # (on a tiny step every bit of Python shows); one listened to costs one call, plus one per hook.
-        hooks, fires, agreed = self.hooks_table, self._bus.fires, requests.agreed
-        skip, stop = requests.index["skip"], requests.index["stop"]
-        log_interval = self.config.log_interval
-        eval_steps = self._eval_schedule("steps")  # ((split, every), ...) evaluated mid-epoch
-        eval_every = math.gcd(*(every for _, every in eval_steps)) if eval_steps else 0  # a step worth a look
-        plan = self.backend.step_plan(self)  # what to call per step; None: nothing (or the plain thing inline)
-        # Each micro-batch placed as it is used, or copied one ahead (cadence.engine.placement); a schedule places its own.
-        prefetch = self.config.prefetch_to_device if plan.schedule is None else False
-        placement = Placement.choose(plan.to_device, self.backend.device, prefetch)
-        schedule, to_device, sync, backward = plan.schedule, placement.to_device, plan.gradient_sync, plan.backward
-        finish, agree = plan.finish_gradients, plan.agree
-        # The agreement overlapped with forward and backward: sent after on_step_start,
-        # awaited before the optimizer step. Not while a callback requests inside the step.
-        overlapped = not self._requests_in_step()
-        # No agreement at all while no registered callback raises requests and none is pending.
-        agreeing = requests.any_pending or self._may_request()
-        if plan.agree_finish is not None:  # every rank must take the same way (callbacks may differ by rank)
-            # On the backend's device: an NCCL group reduces no CPU tensor.
-            flags = torch.tensor([int(not overlapped), int(agreeing)], device=self.backend.device)
-            in_step, agreeing = self.backend.reduce(flags, "max", "optimizer").tolist()
-            overlapped = not in_step
-            # On several ranks a request raised now could not be agreed: refused, naming it.
-            requests.closed = not agreeing
-        if not agreeing:  # the step adds no collective (one rank accepts inline, as without a backend agreement)
-            agree = None
-        agree_start, agree_finish = (plan.agree_start, plan.agree_finish) if overlapped and agreeing else (None, None)
-        optimizer_step, skip_step, zero_grad = plan.optimizer_step, plan.skip_step, plan.zero_grad
-        plain = plan.autocast is NULL_CONTEXT
-        forward = self.compute_loss if plain else partial(_within, plan.autocast, self.compute_loss)
-        feed, source, accum = self.feed, self._train_source(), self.config.grad_accum
+        """The loop of `Event`'s docstring, one line per event.
+
+        Control requests are agreed once per step: `agreement.send` right after
+        on_step_start (an overlapped agreement's all-reduce goes out there and
+        runs under forward and backward), `agreement.take` right before the
+        update, whose skip or stop every rank then sees alike.
+        """
+        state, requests, feed = self.state, self.requests, self.feed
+        step, placement = self._build_step()
+        agreement = agreements.choose(self)  # none, inline, blocking or overlapped: decided once per fit
+        source, accum, stop = self._train_source(), self.config.grad_accum, requests.index["stop"]
+        first_step = state.step
         requests.clear_agreed()
         requests.in_step = False
-        first_step = state.step
-        fire(Event.ON_FIT_START)
-        # compute_loss's usual case, inlined below: loss_fn over (inputs, targets), unless a subclass overrides it.
-        inline = plain and self.step_fn is None and type(self).compute_loss is Engine.compute_loss
-        model, pair_loss = self.wrapped_model, self.loss_fn if inline else None
-        while state.step < stop_step and state.epoch < stop_epoch and not agreed[stop]:
+        self.fire(Event.ON_FIT_START)
+        while state.step < stop_step and state.epoch < stop_epoch and not requests.agreed[stop]:
             if state.batch_in_epoch == 0:
-                fire(Event.ON_EPOCH_START)
+                self.fire(Event.ON_EPOCH_START)
             for micro_batches in placement.steps(feed.steps(source, state, accum)):
-                hooks[_ON_STEP_START] and fires[_ON_STEP_START](self)
-                if overlapped:
-                    agree_start is None or agree_start(requests)  # skip / stop / save / ...: one small collective
-                    requests.in_step = True
-                n = len(micro_batches)
-                if schedule is not None:  # the backend runs the micro-batches (pipeline)
-                    schedule(self, micro_batches)
-                else:
-                    i = 0
-                    for batch in micro_batches:
-                        self.batch = batch if to_device is None else to_device(batch)
-                        hooks[_ON_BATCH] and fires[_ON_BATCH](self)
-                        if sync is not None:
-                            i += 1
-                            sync(i == n)  # accumulate locally, sync on the last micro-batch
-                        batch = self.batch
-                        # The last forward's outputs (a language model's logits) do not live through this one.
-                        self.outputs = None
-                        if pair_loss is not None and type(batch) is tuple and len(batch) == 2:
-                            self.outputs = model(batch[0])
-                            self.loss = pair_loss(self.outputs, batch[1])
-                        else:
-                            self.outputs, self.loss = forward(batch)  # under autocast
-                        hooks[_ON_FORWARD] and fires[_ON_FORWARD](self)
-                        if backward is None:
-                            (self.loss if n == 1 else self.loss / n).backward()
-                        else:
-                            backward(self.loss, n)
-                        hooks[_ON_BACKWARD] and fires[_ON_BACKWARD](self)
-                finish is None or finish(self)  # e.g. unscale fp16 gradients
-                hooks[_ON_BEFORE_OPTIMIZER_STEP] and fires[_ON_BEFORE_OPTIMIZER_STEP](self)
-                if overlapped:
-                    requests.in_step = False
-                if agree_finish is not None:
-                    agree_finish(requests)  # sent after on_step_start: done by now unless a rank lags
-                elif agree is not None:
-                    agree(requests)  # a callback requests inside the step: agreed here, every rank waits
-                elif requests.any_pending or requests.any_agreed:
-                    requests.accept(requests.pending)  # no other rank to agree with
-                if agreed[skip]:
-                    skip_step is None or skip_step()  # e.g. close the fp16 scaler's step
-                elif optimizer_step() is False:  # not applied (DeepSpeed's overflow, TorchFT's refused commit)
-                    agreed[skip] = 1  # counted as an agreed skip, seen by every callback
-                    requests.any_agreed = True
-                else:
-                    hooks[_ON_OPTIMIZER_STEP] and fires[_ON_OPTIMIZER_STEP](self)
-                zero_grad is None or zero_grad()
-                state.micro_step += n
-                state.batch_in_epoch += n
-                state.samples_seen += batch_size(micro_batches[0]) if n == 1 else sum(map(batch_size, micro_batches))
-                if agreed[skip] or state.consecutive_skips:
-                    self._count_skip(agreed[skip])
-                state.step += 1
-                feed.pending = None
-                hooks[_ON_STEP_END] and fires[_ON_STEP_END](self)
-                if state.step % log_interval == 0:
-                    self._log_metrics()
-                if eval_every and state.step % eval_every == 0:
-                    self._evaluate_due(eval_steps, state.step)
-                hooks[_ON_SAVE_POINT] and fires[_ON_SAVE_POINT](self)  # checkpoint, preemption
-                if agreed[stop] or state.step >= stop_step:
+                self.fire(Event.ON_STEP_START)
+                agreement.send(requests)
+                step.micro_batches(self, micro_batches)  # on_batch, forward, on_forward, backward, on_backward
+                step.finish(self)  # gradients final: synced, unscaled
+                self.fire(Event.ON_BEFORE_OPTIMIZER_STEP)
+                agreement.take(requests)
+                if step.apply_update(requests):
+                    self.fire(Event.ON_OPTIMIZER_STEP)
+                step.zero_grad()
+                self._count_step(micro_batches)
+                self.fire(Event.ON_STEP_END)
+                self._log_due()  # on_log
+                self._evaluate_due(self._eval_schedule("steps"), state.step)
+                self.fire(Event.ON_SAVE_POINT)  # checkpoint, preemption
+                if requests.agreed[stop] or state.step >= stop_step:
                     break
             if feed.epoch_over(source, state, accum):
                 self._end_epoch()
-        if state.step % log_interval and state.step > first_step:
+        if state.step % self.config.log_interval and state.step > first_step:
             self._log_metrics()  # the steps since the last interval: every fit ends logged
         requests.closed = False  # requests raised at the fit's end wait for the next fit's agreement
-        fire(Event.ON_FIT_END)
+        self.fire(Event.ON_FIT_END)
 
-    def _requests_in_step(self) -> bool:
-        """Whether a registered callback may raise control requests inside the step (`Callback.requests_in_step`)."""
-        return any(getattr(cb, "requests_in_step", None) is not False for cb in self._bus.listeners(IN_STEP_EVENTS))
+    def _build_step(self) -> tuple[Step, Placement]:
+        """This fit's step (`Backend.build_step`) and the placement of its micro-batches.
 
-    def _may_request(self) -> bool:
-        """Whether a registered callback may raise control requests at all (`Callback.raises_requests`)."""
-        return any(
-            getattr(cb, "raises_requests", None) is not False or getattr(cb, "requests_in_step", None) is True
-            for cb in self._bus.ordered
-        )
+        Each micro-batch is placed as it is used, or copied one ahead
+        (`cadence.engine.placement`); a backend's schedule places its own.
+        """
+        step = self.backend.build_step(self)
+        prefetch = self.config.prefetch_to_device if step.schedule is None else False
+        placement = Placement.choose(step.to_device, self.backend.device, prefetch)
+        return attrs.evolve(step, place=placement.to_device or as_given), placement
 
-    def _place(self, batch: Any) -> Any:
-        """A batch on the backend's device (as given when it is already there, as on CPU)."""
-        return self.backend.to_device(batch) if self.backend.moves_batches else batch
+    def _count_step(self, micro_batches: Sequence[Any]) -> None:
+        """The counters of a finished step, its skip (agreed, or an update not applied) included."""
+        state, n = self.state, len(micro_batches)
+        state.micro_step += n
+        state.batch_in_epoch += n
+        state.samples_seen += sum(map(batch_size, micro_batches))
+        skipped = self.requests.agreed[self.requests.index["skip"]]
+        state.skipped_steps += 1 if skipped else 0
+        state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
+        state.step += 1
+        self.feed.pending = None
 
-    def _count_skip(self, skipped: int) -> None:
-        state = self.state
-        if skipped:
-            state.skipped_steps += 1
-            state.consecutive_skips += 1
-        else:
-            state.consecutive_skips = 0
+    def _log_due(self) -> None:
+        if self.state.step % self.config.log_interval == 0:
+            self._log_metrics()
+
+    def fire(self, event: Event) -> None:
+        """Call every hook of `event`, in the callbacks' order (`EventBus.fire`)."""
+        self.bus.fire(event)
+
+    def instrument(self, make_context: Callable[[Event], Any] | None) -> None:
+        """Run each event's hooks inside `make_context(event)` from now on (None: stop).
+
+        Costs nothing per event while unset; the profiler puts each event in a
+        named `record_function` range with it while it records.
+        """
+        self.bus.instrument(make_context)
 
     def _end_epoch(self) -> None:
         self.state.epoch += 1
@@ -652,66 +606,10 @@ class Engine:
             for each in self.eval_splits:
                 results.update(self.evaluate(split=each))
             return results
-        split = _split_name("val" if split is None else split)
+        split = split_name("val" if split is None else split)
         source = self._eval_source(data, split)
-        metrics = self.eval_metrics
-        with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
-            where = f"while evaluating split {split!r} at step {self.state.step}"
-            store = MetricStore()
-            self._active_metrics, self._metric_prefix = store, f"{split}."
-            staged = self.backend.eval_forward(self)  # None: the model's own forward
-            try:
-                if metrics is not None:
-                    metrics.reset()  # what a previous evaluation or a failed one left
-                self.fire(Event.ON_EVAL_START)
-                if staged is not None:
-                    store.declare(f"{split}.loss")  # ranks without the loss (pipeline stages) take part
-                batches = self._lockstep(source.epoch_iter(0, fresh=True), source, staged, True, split)
-                means: Mapping[str, Any]  # the staged forward's loss, or what eval_fn returned
-                for batch in batches:
-                    self.batch = self._place(batch)
-                    if staged is not None:
-                        self.outputs, loss = staged(self.batch)
-                        means, outputs = ({} if loss is None else {"loss": loss}), self.outputs
-                    else:
-                        with self.backend.autocast():
-                            means, outputs = self._eval_step(self.batch)
-                    if metrics is not None:
-                        self._update_metrics(metrics, outputs, where)
-                    weight = float(batch_size(self.batch))
-                    for name, value in means.items():
-                        store.log(f"{split}.{name}", value, "mean", weight)
-                    self.batch_metrics = means
-                    self.fire(Event.ON_EVAL_BATCH)
-                results = store.compute(self.backend)
-                if metrics is not None:
-                    values = {f"{split}.{name}": value for name, value in metrics.compute(where).items()}
-                    metrics.reset()
-                    clash = sorted(set(values) & set(results))
-                    if clash:
-                        raise ValueError(
-                            f"{clash} are both metric objects and values logged by eval_fn or engine.log; rename one"
-                        )
-                    self.metric_values[split] = values
-                    for name, value in values.items():
-                        number = scalar(value)
-                        if number is not None:
-                            results[name] = number
-            finally:
-                self._active_metrics, self._metric_prefix = self.metrics, ""
-            self.eval_results[split] = results
-            self.logged = dict(results)
-            self.fire(Event.ON_LOG)
-            self.fire(Event.ON_EVAL_END)
-        return results
-
-    def _update_metrics(self, metrics: MetricSet, outputs: Any, where: str) -> None:
-        if outputs is None and not self._metric_inputs_given:
-            raise MetricError(
-                f"metrics need the model's outputs {where}, but eval_fn returned only a mapping of means; "
-                "have eval_fn return (mapping, outputs), or pass metric_inputs=fn(outputs, batch)"
-            )
-        metrics.update(outputs, self.batch, where)
+        with self._run():
+            return self.evaluator.evaluate(source, split)
 
     def predict(self, data: Any = None, *, gather: bool = False) -> Any:
         """Run the model on every batch of `data` (default: predict data).
@@ -729,59 +627,8 @@ class Engine:
         None there in on_predict_batch).
         """
         source = self._source(data, "predict")
-        outputs: list[Any] = []
-        result: Any = outputs
-        with self._run(), torch.no_grad(), restore_training_mode(self.model, False), self.backend.evaluation(self):
-            staged = self.backend.eval_forward(self)  # None: the model's own forward
-            self.fire(Event.ON_PREDICT_START)
-            batches = self._lockstep(source.epoch_iter(0, fresh=True), source, staged, False, "predict")
-            indices, seen = source.sample_indices(), 0
-            for batch in batches:
-                self.batch = self._place(batch)
-                if indices is not None:
-                    count = batch_size(self.batch)
-                    self.batch_indices, seen = indices[seen : seen + count], seen + count
-                if staged is not None:
-                    self.outputs = staged(_inputs(self.batch))[0]
-                    self.fire(Event.ON_PREDICT_BATCH)
-                    if self.outputs is not None:
-                        outputs.append(self.outputs)
-                    continue
-                with self.backend.autocast():
-                    self.outputs = self.wrapped_model(_inputs(self.batch))
-                self.fire(Event.ON_PREDICT_BATCH)
-                outputs.append(self.outputs)
-            self.batch_indices = None
-            if gather:
-                result = gather_outputs(self.backend, outputs, indices)
-            self.fire(Event.ON_PREDICT_END)
-        return result
-
-    def _lockstep(
-        self, batches: Iterator[Any], source: DataSource, staged: Any, evaluating: bool, split: str
-    ) -> Iterator[Any]:
-        """`batches` as they are, or, when the backend's forward needs every rank (`Backend.eval_lockstep`),
-        with stand-in forwards after the last so that every rank runs as many."""
-        domain = self.backend.eval_lockstep(self)
-        if domain is None:
-            return batches
-        count = len(source) if source.has_len() else None
-        stand_in = partial(self._stand_in_forward, staged, evaluating)
-        return in_lockstep(batches, count, self.backend, domain, stand_in, split)
-
-    def _stand_in_forward(self, staged: Any, evaluating: bool, batch: Any) -> None:
-        """The forward `evaluate()` / `predict()` runs per batch, on `batch`, its outputs and logged values discarded."""
-        batch = self._place(batch) if evaluating else _inputs(self._place(batch))
-        outputs, active = self.outputs, self._active_metrics
-        self._active_metrics = MetricStore()  # engine.log calls made in eval_fn or forward: dropped
-        try:
-            if staged is not None:
-                staged(batch)
-            else:
-                with self.backend.autocast():
-                    self._eval_step(batch) if evaluating else self.wrapped_model(batch)
-        finally:
-            self.outputs, self._active_metrics = outputs, active
+        with self._run():
+            return self.evaluator.predict(source, gather)
 
     def setup(self) -> None:
         """Fire `on_setup` now, once (else the first run does): `Checkpoint` restores there, so `state.step` shows it."""
@@ -804,7 +651,7 @@ class Engine:
             self.requests.in_step = self.requests.closed = False  # left mid-fit: on_exception may request
             clearer = checks.explain(self, exc)
             self.exception = exc if clearer is None else clearer
-            for error in self._bus.fire_all(Event.ON_EXCEPTION):
+            for error in self.bus.fire_all(Event.ON_EXCEPTION):
                 logger.error("%s (while handling %r)", error, exc)
             with contextlib.suppress(Exception):
                 self.backend.zero_grad(self)
@@ -813,7 +660,7 @@ class Engine:
             raise
         finally:
             self._running = False
-            errors = self._bus.fire_all(Event.ON_TEARDOWN)
+            errors = self.bus.fire_all(Event.ON_TEARDOWN)
             failed, self.exception = self.exception, None
             if errors and failed is None:
                 raise errors[0]
@@ -821,11 +668,8 @@ class Engine:
                 logger.error("%s", error)
 
     def close(self) -> None:
-        """Release the backend's resources (its wrapper of the model, process groups it created) and the run directory.
-
-        The wrapper (DDP's, whose reducer holds the process group) goes first, so the group is destroyed while
-        the interpreter is fully alive rather than at exit. `engine.model` stays usable.
-        """
+        """Release the backend's resources (its model wrapper first, then its process groups: destroyed while the
+        interpreter is fully alive, not at exit) and the run directory's lease. `engine.model` stays usable."""
         self.wrapped_model = self.model
         self.backend.teardown()
         rundir.release_run_dir(self)  # its lease: another launch of this run may take the directory now
@@ -862,23 +706,6 @@ class Engine:
                 ) from exc
             raise
         return outputs, _loss_of(outputs, "the model")
-
-    def _eval_step(self, batch: Any) -> tuple[Mapping[str, Any], Any]:
-        """One evaluation batch: (per-batch means, outputs for the metric objects)."""
-        if self.eval_fn is not None:
-            result = self.eval_fn(self.wrapped_model, batch)
-            outputs = None
-            if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Mapping):
-                result, outputs = result
-            if not isinstance(result, Mapping):
-                raise TypeError(
-                    "eval_fn must return a mapping of metric name to value, or (mapping, outputs); "
-                    f"got {type(result).__name__}"
-                )
-            self.outputs = outputs
-            return result, outputs
-        self.outputs, loss = self.compute_loss(batch)
-        return {"loss": loss}, self.outputs
 
     # -- plumbing -------------------------------------------------------------
 
@@ -987,26 +814,12 @@ def _make_backend(backend: Backend | str, config: EngineConfig) -> Backend:
     return cls.from_engine_config(config) if hasattr(cls, "from_engine_config") else cls()
 
 
-def _split_name(split: Any) -> str:
-    if not isinstance(split, str) or not split or "." in split or split in ("train", "predict"):
-        raise ValueError(
-            f"evaluation split {split!r}: a split is a non-empty name without dots (metrics are named "
-            "'split.metric') other than 'train' and 'predict' (e.g. 'val', 'test', 'train_eval')"
-        )
-    return split
-
-
-def _inputs(batch: Any) -> Any:
-    """What `predict()` feeds the model: a batch's first element when it is a tuple or list (inputs, targets)."""
-    return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-
 def _eval_sets(eval_data: Any) -> dict[str, Any]:
     """`{split: data}` from `eval_data`: data alone is the `val` split."""
     if eval_data is None:
         return {}
     if isinstance(eval_data, Mapping):
-        sets = {_split_name(split): data for split, data in eval_data.items()}
+        sets = {split_name(split): data for split, data in eval_data.items()}
         missing = [split for split, data in sets.items() if data is None]
         if missing:
             raise ValueError(f"eval_data: no data for split(s) {missing}")
@@ -1020,11 +833,6 @@ def _as_list(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
-
-
-def _within(context: contextlib.AbstractContextManager[Any], fn: Callable[[Any], Any], arg: Any) -> Any:
-    with context:
-        return fn(arg)
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:

@@ -48,7 +48,7 @@ class Placement:
         """The placement of a fit: `Prefetch` when asked for (None: when batches go to CUDA), else plain.
 
         Args:
-            to_device: the backend's per-batch placement (`StepPlan.to_device`), None when batches
+            to_device: the backend's per-batch placement (`Step.to_device`), None when batches
                 are used as given.
             device: where batches go.
             prefetch: `EngineConfig.prefetch_to_device`: True, False, or None (on for CUDA).

@@ -50,10 +50,10 @@ __all__ = [
 ]  # fmt: skip
 
 T = TypeVar("T")
-_NONE = type(None)
-_MISSING: Any = object()
+NONE = type(None)
+MISSING: Any = object()
 _SEQUENCES: dict[Any, type] = {list: list, MutableSequence: list, Sequence: tuple, tuple: tuple}
-_MAPPINGS: tuple[Any, ...] = (dict, Mapping, MutableMapping)
+MAPPINGS: tuple[Any, ...] = (dict, Mapping, MutableMapping)
 
 
 class ConfigError(ValueError):
@@ -86,34 +86,34 @@ class _MismatchError(TypeError):
         self.expected, self.value = expected, value
 
 
-def _origin(t: Any) -> Any:
+def type_origin(t: Any) -> Any:
     return get_origin(t) or t
 
 
-def _is_enum(t: Any) -> bool:
+def is_enum(t: Any) -> bool:
     return isinstance(t, type) and issubclass(t, Enum)
 
 
-def _is_union(t: Any) -> bool:
+def is_union(t: Any) -> bool:
     return get_origin(t) in (Union, types.UnionType)
 
 
-def _type_name(t: Any) -> str:
+def type_name(t: Any) -> str:
     """Readable annotation: ``list[str]``, ``int | None``, ``'fp32' | 'bf16'``."""
     origin, args = get_origin(t), get_args(t)
-    if t is Any or t is None or t is _NONE:
+    if t is Any or t is None or t is NONE:
         return "Any" if t is Any else "None"
-    if origin is Literal or _is_enum(t):
+    if origin is Literal or is_enum(t):
         return " | ".join(repr(getattr(a, "value", a)) for a in (args or t))
-    if _is_union(t):
-        return " | ".join(_type_name(a) for a in args)
+    if is_union(t):
+        return " | ".join(type_name(a) for a in args)
     if origin is not None:
-        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
         return f"{getattr(origin, '__name__', origin)}[{inner}]" if args else origin.__name__
     return t.__name__ if isinstance(t, type) else str(t)
 
 
-class _Loader(yaml.SafeLoader):
+class ConfigLoader(yaml.SafeLoader):
     """Safe YAML that also reads ``1e5`` and ``3e-4`` as floats, like JSON, TOML and YAML 1.2.
 
     A key given twice in one mapping is an error (PyYAML keeps the last one silently).
@@ -139,11 +139,11 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)  # type: ignore[no-untyped-call]
 
 
-class _Dumper(yaml.SafeDumper):
-    """Safe YAML dumper that quotes the *string* ``"1e5"`` so `_Loader` reads it back as str."""
+class Dumper(yaml.SafeDumper):
+    """Safe YAML dumper that quotes the *string* ``"1e5"`` so `ConfigLoader` reads it back as str."""
 
 
-for _yaml_cls in (_Loader, _Dumper):
+for _yaml_cls in (ConfigLoader, Dumper):
     _yaml_cls.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
@@ -166,7 +166,7 @@ def _structure_choice(value: Any, t: Any) -> Any:
 
 def _strict(expected: str, accepts: Callable[[Any], bool]) -> Callable[[Any, type], Any]:
     def hook(value: Any, cl: type) -> Any:
-        if _is_enum(cl):  # IntEnum/StrEnum land here: cattrs dispatches on the MRO first
+        if is_enum(cl):  # IntEnum/StrEnum land here: cattrs dispatches on the MRO first
             return _structure_choice(value, cl)
         if not accepts(value):
             raise _MismatchError(expected, value)
@@ -191,15 +191,15 @@ def _structure_items(t: Any, items: Any) -> list[Any]:
 
 
 def _sequence_hook(t: Any) -> Callable[[Any, Any], Any]:
-    origin, args = _origin(t), get_args(t)
+    origin, args = type_origin(t), get_args(t)
     fixed = origin is tuple and bool(args) and args[-1] is not Ellipsis
 
     def hook(value: Any, _: Any) -> Any:
         # cattrs alone would iterate a string's characters or a mapping's keys.
         if not isinstance(value, (list, tuple)):
-            raise _MismatchError(f"a list ({_type_name(t)})", value)
+            raise _MismatchError(f"a list ({type_name(t)})", value)
         if fixed and len(value) != len(args):
-            raise _MismatchError(f"{len(args)} items ({_type_name(t)})", value)
+            raise _MismatchError(f"{len(args)} items ({type_name(t)})", value)
         item_types = args if fixed else [args[0] if args else Any] * len(value)
         return _SEQUENCES[origin](_structure_items(t, [(i, item_types[i], v) for i, v in enumerate(value)]))
 
@@ -211,7 +211,7 @@ def _mapping_hook(t: Any) -> Callable[[Any, Any], Any]:
 
     def hook(value: Any, _: Any) -> dict[Any, Any]:
         if not isinstance(value, Mapping):
-            raise _MismatchError(f"a mapping ({_type_name(t)})", value)
+            raise _MismatchError(f"a mapping ({type_name(t)})", value)
         keys = _structure_items(t, ((k, key_type, k) for k in value))
         values = _structure_items(t, ((k, value_type, v) for k, v in value.items()))
         return dict(zip(keys, values, strict=True))
@@ -220,7 +220,7 @@ def _mapping_hook(t: Any) -> Callable[[Any, Any], Any]:
 
 
 def _union_hook(t: Any) -> Callable[[Any, Any], Any]:
-    members = [a for a in get_args(t) if a is not _NONE]
+    members = [a for a in get_args(t) if a is not NONE]
     nullable = len(members) < len(get_args(t))
 
     def hook(value: Any, _: Any) -> Any:
@@ -230,14 +230,14 @@ def _union_hook(t: Any) -> Callable[[Any, Any], Any]:
             try:
                 return converter.structure(value, members[0])
             except _MismatchError:
-                raise _MismatchError(_type_name(t), value) from None
+                raise _MismatchError(type_name(t), value) from None
         # An exact type match wins, so `float | int` keeps an int an int.
         for member in [m for m in members if m is type(value)] + members:
             try:
                 return converter.structure(value, member)
             except Exception:  # the next member may fit
                 continue
-        raise _MismatchError(_type_name(t), value)
+        raise _MismatchError(type_name(t), value)
 
     return hook
 
@@ -266,14 +266,14 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict("bool", lambda v: isinstance(v, bool)))
     conv.register_structure_hook(str, _strict("str", lambda v: isinstance(v, str)))
     conv.register_structure_hook(Path, _strict("a path (str)", lambda v: isinstance(v, (str, os.PathLike))))
-    conv.register_structure_hook_func(lambda t: _is_enum(t) or get_origin(t) is Literal, _structure_choice)
-    conv.register_structure_hook_factory(lambda t: _origin(t) in _SEQUENCES, _sequence_hook)
-    conv.register_structure_hook_factory(lambda t: _origin(t) in _MAPPINGS, _mapping_hook)
-    conv.register_structure_hook_factory(_is_union, _union_hook)
+    conv.register_structure_hook_func(lambda t: is_enum(t) or get_origin(t) is Literal, _structure_choice)
+    conv.register_structure_hook_factory(lambda t: type_origin(t) in _SEQUENCES, _sequence_hook)
+    conv.register_structure_hook_factory(lambda t: type_origin(t) in MAPPINGS, _mapping_hook)
+    conv.register_structure_hook_factory(is_union, _union_hook)
     conv.register_structure_hook_factory(lambda t: isinstance(t, type) and attrs.has(t), _attrs_hook)
     conv.register_unstructure_hook(Path, str)
     conv.register_unstructure_hook_factory(
-        lambda t: _origin(t) in (tuple, Sequence),
+        lambda t: type_origin(t) in (tuple, Sequence),
         lambda _: lambda value: [conv.unstructure(v) for v in value],
     )
     return conv
@@ -305,20 +305,20 @@ def _lookup(data: Any, parts: Sequence[Any]) -> Any:
     return data
 
 
-def _init_fields(cl: type) -> dict[str, Any]:
+def init_fields(cl: type) -> dict[str, Any]:
     attrs.resolve_types(cl)
     return {a.name: a for a in attrs.fields(cl) if a.init}
 
 
-def _field_default(a: Any) -> Any:
+def field_default(a: Any) -> Any:
     default = a.default
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-        return _MISSING if default.takes_self else default.factory()
-    return _MISSING if default is attrs.NOTHING else default
+        return MISSING if default.takes_self else default.factory()
+    return MISSING if default is attrs.NOTHING else default
 
 
-def _unknown_key(cl: type, key: str, path: str, received: Any) -> ConfigError:
-    valid = sorted(_init_fields(cl))
+def unknown_key(cl: type, key: str, path: str, received: Any) -> ConfigError:
+    valid = sorted(init_fields(cl))
     close = difflib.get_close_matches(str(key), valid, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     message = f"unknown key; valid keys are: {', '.join(valid)}{hint}"
@@ -327,13 +327,13 @@ def _unknown_key(cl: type, key: str, path: str, received: Any) -> ConfigError:
 
 def _failed_validator(cl: type, raw: Any, path: tuple[Any, ...], exc: Exception, prefix: str) -> ConfigError:
     """Find the field whose attrs validator failed by running each validator again."""
-    for name, a in _init_fields(cl).items() if isinstance(raw, Mapping) else ():
+    for name, a in init_fields(cl).items() if isinstance(raw, Mapping) else ():
         try:
-            value = converter.structure(raw[name], a.type) if name in raw else _field_default(a)
+            value = converter.structure(raw[name], a.type) if name in raw else field_default(a)
         except Exception:  # a structuring problem is reported on its own
             continue
         try:
-            if a.validator is not None and value is not _MISSING:
+            if a.validator is not None and value is not MISSING:
                 a.validator(None, a, value)  # type: ignore[arg-type]
         except (ValueError, TypeError) as found:
             reason = found.args[0] if found.args else str(found)
@@ -356,13 +356,13 @@ def _problems(exc: Exception, data: Any, prefix: str, path: tuple[Any, ...] = ()
             if isinstance(sub, ForbiddenExtraKeysError):
                 for key in sorted(sub.extra_fields):
                     at = (*path, key)
-                    found.append(_unknown_key(sub.cl, key, _join(prefix, at), _lookup(data, at)))
+                    found.append(unknown_key(sub.cl, key, _join(prefix, at), _lookup(data, at)))
             elif isinstance(exc, ClassValidationError):
                 found.append(_failed_validator(exc.cl, _lookup(data, path), path, sub, prefix))
             else:
                 found += _problems(sub, data, prefix, path, exc.cl)
         return found
-    where, expected = _join(prefix, path), (None if t is None else _type_name(t))
+    where, expected = _join(prefix, path), (None if t is None else type_name(t))
     if isinstance(exc, _MismatchError):
         return [ConfigError(str(exc), path=where, expected=exc.expected, received=exc.value)]
     if isinstance(exc, KeyError):
@@ -372,7 +372,7 @@ def _problems(exc: Exception, data: Any, prefix: str, path: tuple[Any, ...] = ()
     return [ConfigError(message, path=where, expected=expected, received=received)]
 
 
-def _config_error(problems: list[ConfigError]) -> ConfigError:
+def config_error(problems: list[ConfigError]) -> ConfigError:
     first, rest = problems[0], problems[1:]
     message = f"config error at '{first.path}': {first}"
     if rest:
@@ -399,28 +399,28 @@ def structure(cls: type[T], data: Any, *, path: str = "") -> T:
     except ConfigError:
         raise
     except Exception as exc:
-        raise _config_error(_problems(exc, data, path)) from exc
+        raise config_error(_problems(exc, data, path)) from exc
 
 
 def unstructure(obj: Any) -> dict[str, Any]:
     """Turn a config into plain JSON/YAML-safe data (Paths as str, enums as values)."""
-    data = _plain(converter.unstructure(obj))
+    data = plain_value(converter.unstructure(obj))
     if not isinstance(data, dict):
         raise TypeError(f"expected an attrs instance or a mapping, got {type(obj).__name__}")
     return data
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     """Normalize what hides behind ``Any`` fields, which cattrs passes through as is."""
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     if isinstance(value, Enum):
-        return _plain(value.value)
+        return plain_value(value.value)
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    return _plain(converter.unstructure(value)) if attrs.has(type(value)) else value
+    return plain_value(converter.unstructure(value)) if attrs.has(type(value)) else value
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -446,7 +446,7 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         elif suffix == ".json":
             data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
-            data = yaml.load(text, Loader=_Loader) or {}  # _Loader is a SafeLoader
+            data = yaml.load(text, Loader=ConfigLoader) or {}  # ConfigLoader is a SafeLoader
     except (yaml.YAMLError, ValueError) as exc:  # JSON and TOML decode errors are ValueErrors
         reason = " ".join(str(exc).split())
         raise ConfigError(f"config file '{file}' is not valid {suffix[1:].upper()}: {reason}") from exc
@@ -487,7 +487,7 @@ def canonical_yaml(obj: Any) -> str:
     if attrs.has(type(obj)):
         obj = structure(type(obj), unstructure(obj))
     # ASCII only: PyYAML writes some code points (e.g. U+0085) raw and then reads them back as line breaks.
-    return yaml.dump(unstructure(obj), Dumper=_Dumper, sort_keys=True, default_flow_style=False, allow_unicode=False)
+    return yaml.dump(unstructure(obj), Dumper=Dumper, sort_keys=True, default_flow_style=False, allow_unicode=False)
 
 
 def config_hash(obj: Any, length: int = 10) -> str:
@@ -514,7 +514,7 @@ def config_diff(obj: Any, default: Any = None) -> dict[str, Any]:
 def _diff(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in new.items():
-        before = old.get(key, _MISSING)
+        before = old.get(key, MISSING)
         if isinstance(value, dict) and isinstance(before, dict) and before.keys() <= value.keys():
             if nested := _diff(value, before):
                 out[key] = nested

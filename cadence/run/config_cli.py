@@ -28,24 +28,24 @@ import attrs
 import yaml
 
 from cadence.run.config import (
-    _MAPPINGS,
-    _MISSING,
-    _NONE,
+    MAPPINGS,
+    MISSING,
+    NONE,
     ConfigError,
-    _config_error,
-    _field_default,
-    _init_fields,
-    _is_enum,
-    _is_union,
-    _Loader,
-    _origin,
-    _plain,
-    _type_name,
-    _unknown_key,
+    ConfigLoader,
+    config_error,
     converter,
+    field_default,
+    init_fields,
+    is_enum,
+    is_union,
     load_file,
     merge,
+    plain_value,
     structure,
+    type_name,
+    type_origin,
+    unknown_key,
 )
 
 __all__ = ["build", "field_help", "parse_cli", "parse_overrides"]
@@ -54,7 +54,7 @@ T = TypeVar("T")
 
 
 def _strip_optional(t: Any) -> tuple[Any, bool]:
-    members = [a for a in get_args(t) if a is not _NONE] if _is_union(t) else [t]
+    members = [a for a in get_args(t) if a is not NONE] if is_union(t) else [t]
     return (members[0], members[0] is not t) if len(members) == 1 else (t, False)
 
 
@@ -66,15 +66,15 @@ def _field_type(cls: type, dotted: str) -> Any:
         if t is Any:
             return Any
         if isinstance(t, type) and attrs.has(t):
-            fields = _init_fields(t)
+            fields = init_fields(t)
             if part not in fields:
-                raise _config_error([_unknown_key(t, part, ".".join(parts[: i + 1]), None)])
+                raise config_error([unknown_key(t, part, ".".join(parts[: i + 1]), None)])
             t = fields[part].type
-        elif _origin(t) in _MAPPINGS:
+        elif type_origin(t) in MAPPINGS:
             t = (get_args(t) or (Any, Any))[1]
         else:
             raise ConfigError(
-                f"config error at '{dotted}': '{here}' is {_type_name(t)}, which has no keys;"
+                f"config error at '{dotted}': '{here}' is {type_name(t)}, which has no keys;"
                 f" set it whole, e.g. {here}=[...]",
                 path=dotted,
             )
@@ -83,7 +83,7 @@ def _field_type(cls: type, dotted: str) -> Any:
 
 def _keeps_raw_text(t: Any) -> bool:
     """String-like fields take the override text as is: ``name=123`` means ``"123"``."""
-    if get_origin(t) is Literal or _is_enum(t):
+    if get_origin(t) is Literal or is_enum(t):
         return all(isinstance(getattr(a, "value", a), str) for a in (get_args(t) or t))
     return t in (str, Path)
 
@@ -110,14 +110,14 @@ def parse_overrides(cls: type, overrides: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(
                 f"config error in '{item}': no value after '=' for {key}{clear}",
                 path=key,
-                expected=_type_name(inner),
+                expected=type_name(inner),
                 received=text,
             )
         if (optional and text in ("null", "None", "~")) or (not raw and text == "None"):
             value = None
         elif not raw:
             try:
-                value = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+                value = yaml.load(text, Loader=ConfigLoader)  # ConfigLoader is a SafeLoader
             except yaml.YAMLError:
                 pass  # keep the text: structure() reports it against the field type
         for part in reversed(key.split(".")):
@@ -129,9 +129,9 @@ def parse_overrides(cls: type, overrides: Sequence[str]) -> dict[str, Any]:
 def _defaults(cls: type) -> dict[str, Any]:
     # A parent's default may differ from the child class's own (factory=lambda: Optim(lr=0.1));
     # partial nested input must merge over the parent's default.
-    fields = _init_fields(cls).items()
-    defaults = ((name, a, _field_default(a)) for name, a in fields)
-    return {n: _plain(converter.unstructure(v, a.type)) for n, a, v in defaults if v is not _MISSING}
+    fields = init_fields(cls).items()
+    defaults = ((name, a, field_default(a)) for name, a in fields)
+    return {n: plain_value(converter.unstructure(v, a.type)) for n, a, v in defaults if v is not MISSING}
 
 
 def build(
@@ -184,18 +184,18 @@ def field_help(cls: type) -> list[tuple[str, str, str, str]]:
 
 def _help_rows(cls: type, prefix: str, instance: Any) -> list[tuple[str, str, str, str]]:
     rows, docs = [], _doc_help(cls)
-    for name, a in _init_fields(cls).items():
+    for name, a in init_fields(cls).items():
         path = prefix + name
         # Nested defaults come from the parent's default instance when there is one.
-        default = getattr(instance, name) if instance is not None else _field_default(a)
+        default = getattr(instance, name) if instance is not None else field_default(a)
         if isinstance(a.type, type) and attrs.has(a.type):
             rows += _help_rows(a.type, path + ".", default if isinstance(default, a.type) else None)
             continue
-        if default is not _MISSING:
-            shown = repr(_plain(converter.unstructure(default, a.type)))
+        if default is not MISSING:
+            shown = repr(plain_value(converter.unstructure(default, a.type)))
         else:
             shown = "(computed)" if isinstance(a.default, attrs.Factory) else "required"  # type: ignore[arg-type]
-        rows.append((path, _type_name(a.type), shown, a.metadata.get("help") or docs.get(name, "")))
+        rows.append((path, type_name(a.type), shown, a.metadata.get("help") or docs.get(name, "")))
     return rows
 
 

@@ -25,6 +25,11 @@ class Registry:
         self._builtins = dict(builtins)
         self._added: dict[str, str] = {}
 
+    @property
+    def builtins(self) -> dict[str, str]:
+        """The built-in names and their targets (a copy)."""
+        return dict(self._builtins)
+
     def add(self, name: str, target: str) -> None:
         """Register `name` -> `module:attribute`."""
         self._added[name] = target

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import yaml
 
-from cadence.engine.callback import Callback
+from cadence.engine.callback import BestScore, Callback
 from cadence.engine.order import Order
 from cadence.run import config as config_module
 from cadence.run import lease
@@ -174,7 +174,8 @@ def _normalize(obj: Any, engine: Engine | None) -> Any:
         placement: dict[str, Any] = {
             f.name: f.default for f in attrs.fields(EngineConfig) if f.name in _PLACEMENT_FIELDS
         }
-        seed = engine._seed_given if engine is not None and obj is engine.config else obj.seed
+        drawn = engine is not None and obj is engine.config and engine.seed_was_drawn
+        seed = None if drawn else obj.seed
         return attrs.evolve(obj, seed=seed, **placement)
     if not attrs.has(type(obj)):
         return obj
@@ -281,7 +282,7 @@ def _write(path: Path, data: str | bytes) -> None:
 
 
 def _dump(data: Any, *, sort_keys: bool = True) -> str:
-    return yaml.dump(data, Dumper=config_module._Dumper, sort_keys=sort_keys, default_flow_style=False)
+    return yaml.dump(data, Dumper=config_module.Dumper, sort_keys=sort_keys, default_flow_style=False)
 
 
 def _now() -> str:
@@ -332,7 +333,7 @@ def write_metadata(engine: Engine, info: RunInfo) -> None:
     backend = engine.backend
     run = {
         "run_id": info.run_id, "config_id": info.config_id, "code_id": info.code_id, "lineage": info.lineage,
-        "path": str(info.path), "seed": engine.config.seed, "seed_drawn": engine._seed_given is None,
+        "path": str(info.path), "seed": engine.config.seed, "seed_drawn": engine.seed_was_drawn,
         "attempt": info.timestamp, "backend": getattr(backend, "name", type(backend).__name__),
         "world_size": backend.world_size, "host": socket.gethostname(), "command": list(sys.argv),
         "cwd": os.getcwd(), "versions": _versions(),
@@ -355,7 +356,7 @@ def open_run_dir(engine: Engine) -> Path:
             ) from exc
         recorder = RunRecorder()
         engine.add_callback(recorder)
-        recorder.record(engine, "running" if getattr(engine, "_running", False) else "created")
+        recorder.record(engine, "running" if engine.running else "created")
     return info.path
 
 
@@ -451,12 +452,10 @@ class RunRecorder(Callback):
 
 
 def _best_score(engine: Engine) -> dict[str, Any] | None:
-    """The best score of the first callback that tracks one (`Checkpoint(save_best=True)`), duck-typed."""
+    """The best score of the first callback that tracks one (the best-score protocol, `cadence.engine.callback.BestScore`)."""
     for callback in engine.callbacks:
-        score = getattr(callback, "best_score", None)
-        if isinstance(score, (int, float)) and not isinstance(score, bool):
-            config = getattr(callback, "config", None)
-            split, name = getattr(config, "score_split", None), getattr(config, "score_name", None)
-            metric = f"{split}.{name}" if split and name else "score"
-            return {"metric": metric, "value": float(score), "step": getattr(callback, "best_step", None)}
+        if isinstance(callback, BestScore):
+            score = callback.best_score
+            if isinstance(score, (int, float)) and not isinstance(score, bool):
+                return {"metric": callback.best_metric, "value": float(score), "step": callback.best_step}
     return None

@@ -13,7 +13,7 @@ import torch._dynamo  # DDP imports it (~1.5 s): once here, not in every forked 
 import torch.distributed as dist
 
 import cadence
-from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend, OverlappedAgreement
+from cadence.backends.ddp import DEFAULT_TIMEOUT, DDPBackend, OverlappedAllReduce
 from cadence.engine.control import Requests
 from cadence.launch import launch
 from tests.conftest import CollectivesPerStep, count_collectives, tiny_dataset, tiny_model
@@ -175,7 +175,7 @@ def test_the_overlapped_agreement_agrees_the_same_step_on_every_rank():
             # The agreement rides training's own gloo group (left alive by close); own_group=True makes one.
             out["groups"] = []
             for own in (False, True):
-                agreement = OverlappedAgreement(own_group=own)
+                agreement = OverlappedAllReduce(own_group=own)
                 agreement.join(engine.backend.group, timedelta(seconds=20))
                 requests = Requests()
                 requests.request("save", 1 + rank)

@@ -101,20 +101,17 @@ def test_fp32_has_no_autocast_context_so_the_step_enters_none():
     assert LocalBackend(device="cpu", precision="bf16").autocast() is not NULL_CONTEXT
 
 
-def test_the_step_plan_leaves_out_what_has_nothing_to_do():
+def test_the_step_is_the_backends_own_methods_and_a_schedule_only_when_overridden():
     from cadence.backends.ddp import DDPBackend
+    from cadence.engine.step import NULL_CONTEXT
 
     engine, _ = train(steps=1)
-    optimizer = engine.optimizers[0]
-    plan = LocalBackend(device="cpu").step_plan(engine)
-    assert plan.schedule is None and plan.to_device is None
-    assert plan.gradient_sync is None and plan.finish_gradients is None  # fp32, one process
-    assert plan.backward is None and plan.agree is None  # the loop's plain loss.backward(); no rank to agree with
-    assert plan.optimizer_step == optimizer.step  # one optimizer: its own step and zero_grad, called directly
-    assert plan.zero_grad == optimizer.zero_grad
-    assert ConcatSchedule().step_plan(engine).schedule is not None
-    ddp = DDPBackend(device="cpu").step_plan(engine)
-    assert ddp.gradient_sync is not None and ddp.agree is not None
+    step = LocalBackend(device="cpu").build_step(engine)
+    assert step.schedule is None and step.to_device is None and step.autocast is NULL_CONTEXT
+    assert ConcatSchedule().build_step(engine).schedule is not None
+    ddp = DDPBackend(device="cpu")
+    assert ddp.build_step(engine).gradient_sync == ddp.set_gradient_sync
+    assert LocalBackend(device="cpu").agreement_mode(engine) == "inline"
 
 
 class ZeroGradients(LocalBackend):

@@ -86,7 +86,7 @@ def test_ranges_only_while_profiling(ranges):
     # Wrapped from the step-end at which warmup begins (3) until the one at which the last cycle ends (6).
     assert {step for _, step in ours} == {3, 4, 5, 6}
     assert ("on_forward", 4) in ours and ("on_step_start", 5) in ours
-    assert engine._bus.table == engine._bus._plain_table  # unwrapped after the profile
+    assert engine.bus.table == engine.bus.registered  # unwrapped after the profile
 
 
 def test_without_profiler_no_range_is_entered(ranges):
@@ -95,7 +95,7 @@ def test_without_profiler_no_range_is_entered(ranges):
     box["engine"] = engine
     engine.fit(steps=4)
     assert entered == []
-    assert engine._bus.table == engine._bus._plain_table
+    assert engine.bus.table == engine.bus.registered
 
 
 def test_fit_twice_profiles_once_and_resume_past_the_window(tmp_path):

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 import cadence
 from cadence.backends.mesh import MeshBackend, MeshConfig
 from cadence.callbacks import EMA, GradClip, NonFiniteSkip
+from cadence.engine.step import nothing
 from cadence.launch import launch
 from cadence.testing.collectives import CollectiveLog, read_log
 from tests.conftest import tiny_dataset
@@ -277,7 +278,7 @@ def train_tensor_parallel(options: dict, batch_size: int) -> dict:
             "params": engine.backend.all_gather(params, domain="optimizer"),
             "val": results["val.loss"],
             "data": (engine.backend.data_rank, engine.backend.data_size),
-            "sync": engine.backend.step_plan(engine).gradient_sync is not None,
+            "sync": engine.backend.build_step(engine).gradient_sync is not nothing,
         }
 
 

@@ -322,7 +322,7 @@ def train_context(options: dict) -> dict:
             "norms": grads.norms,
             "data": (engine.backend.data_rank, engine.backend.data_size),
             "rope_restored": engine.model.rope_cos.shape == inputs,
-            "schedule": engine.backend.step_plan(engine).schedule is not None,
+            "schedule": engine.backend.build_step(engine).schedule is not None,
         }
 
 

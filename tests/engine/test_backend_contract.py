@@ -88,10 +88,12 @@ def test_an_agreed_skip_does_not_call_the_optimizer_step():
 
 def test_zero_grad_may_be_left_to_the_optimizer_step():
     class ZeroesInStep(LocalBackend):
-        def step_plan(self, engine):
+        def build_step(self, engine):
             import attrs
 
-            return attrs.evolve(super().step_plan(engine), zero_grad=None)
+            from cadence.engine.step import nothing
+
+            return attrs.evolve(super().build_step(engine), zero_grad=nothing)
 
         def optimizer_step(self, engine):
             super().optimizer_step(engine)

@@ -339,7 +339,7 @@ def test_a_function_hook_that_raises_is_named_by_its_handler(when):
         engine.fit(steps=1)
     assert info.value.callback is handle.callback
     assert f"'{handle.callback.state_key}'" in str(info.value) and "report" in str(info.value)
-    for error in engine._bus.fire_all(Event.ON_STEP_END):  # the teardown / exception path names it too
+    for error in engine.bus.fire_all(Event.ON_STEP_END):  # the teardown / exception path names it too
         assert error.callback is handle.callback
 
 
@@ -418,11 +418,11 @@ def test_instrument_wraps_dispatch_and_unwraps():
     engine = make_engine()
     calls = []
     engine.on(Event.ON_STEP_END)(lambda e: calls.append(1))
-    engine._bus.instrument(trace)
+    engine.bus.instrument(trace)
     engine.fit(steps=1)
     assert "on_step_end" in entered and "on_step_start" in entered
     count = len(entered)
-    engine._bus.instrument(None)
+    engine.bus.instrument(None)
     engine.fit(steps=1)
     assert len(entered) == count
     assert calls == [1, 1]

@@ -10,6 +10,8 @@ from torch.nn import functional as F
 
 import cadence
 from cadence import Callback, Event
+from cadence.engine.agreement import may_request as may_request_at_all
+from cadence.engine.agreement import requests_in_step
 from tests.conftest import tiny_batches, tiny_dataset, tiny_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -264,7 +266,7 @@ def test_the_agreement_is_overlapped_unless_a_callback_may_request_inside_the_st
             callbacks=list(callbacks),
             device="cpu",
         )  # fmt: skip
-        return engine._requests_in_step()
+        return requests_in_step(engine)
 
     assert not listeners_request()
     assert not listeners_request(
@@ -273,11 +275,11 @@ def test_the_agreement_is_overlapped_unless_a_callback_may_request_inside_the_st
     assert listeners_request(MayRequestInStep()) and listeners_request(NonFiniteSkip())
     function_hook = engine_with()
     function_hook.on(Event.ON_BEFORE_OPTIMIZER_STEP)(lambda e: None)
-    assert function_hook._requests_in_step()
+    assert requests_in_step(function_hook)
     outside = engine_with()
     outside.on(Event.ON_STEP_START)(lambda e: None)
     outside.on(Event.ON_STEP_END)(lambda e: None)
-    assert not outside._requests_in_step()
+    assert not requests_in_step(outside)
 
     # Overlapped: `in_step` is set between on_step_start and the agreement, and a
     # request raised there is refused, naming it, as itself (a CadenceError).
@@ -327,7 +329,7 @@ def test_which_callbacks_may_raise_requests_at_all(tmp_path):
         )  # fmt: skip
 
     def may_request(*callbacks):
-        return engine_of(*callbacks)._may_request()
+        return may_request_at_all(engine_of(*callbacks))
 
     def quiet():
         return [TrainMetrics(), ProgressBar(), JSONL(), TextLog(), GradClip(max_norm=1.0), EMA(), Heartbeat()]
@@ -346,10 +348,10 @@ def test_which_callbacks_may_raise_requests_at_all(tmp_path):
     metrics = TrainMetrics()
     bound = engine_of(metrics)
     bound.on(Event.ON_FORWARD)(metrics.on_step_end)
-    assert not bound._may_request() and not bound._requests_in_step()
+    assert not may_request_at_all(bound) and not requests_in_step(bound)
     plain = engine_of(TrainMetrics())
     plain.on(Event.ON_STEP_END)(lambda e: None)
-    assert plain._may_request()
+    assert may_request_at_all(plain)
 
     # On one process nothing is refused: a callback that requests though it declares it does not is obeyed.
     class StopsAnyway(Callback):
@@ -503,32 +505,6 @@ def test_unknown_backend_name_lists_known_ones():
         engine_with(backend="tpu")
     with pytest.raises(ValueError, match=r"unknown backend 'dpp'; did you mean 'ddp'\? known backends: ddp, "):
         engine_with(backend="dpp")
-
-
-def test_step_events_nobody_listens_to_cost_no_fire_call():
-    engine = engine_with(batches=4)
-    fired = []
-    fires = engine._bus.fires  # every dispatch, engine.fire's and the loop's own, goes through these
-
-    def counting(event, plain):
-        def fire(engine):
-            fired.append(event.value)
-            plain(engine)
-
-        return fire
-
-    def count_fires():  # after each registration, which sets the entries anew
-        fires.update({event: counting(event, plain) for event, plain in fires.items()})
-
-    count_fires()
-    engine.fit(steps=3)
-    # Only the once-per-run events are fired; the per-step ones are skipped.
-    assert fired == ["on_setup", "on_fit_start", "on_epoch_start", "on_fit_end"]
-    engine.on(Event.ON_STEP_END)(lambda e: None)
-    count_fires()
-    fired.clear()
-    engine.fit(steps=2)
-    assert fired.count("on_step_end") == 2 and "on_step_start" not in fired
 
 
 def test_relative_fit_counts_from_the_restored_step(tmp_path):

@@ -245,6 +245,27 @@ def test_attempt_record_finished_and_failed(tmp_path):
     assert last["attempt"] == failing.attempt_timestamp and last["pid"] == os.getpid()
 
 
+def test_the_attempt_record_labels_the_best_score_with_the_monitored_metric(tmp_path):
+    """`Checkpoint(monitor="val.acc", mode="max")`: the record's best is `val.acc` (it once read `val.loss`)."""
+    from cadence.callbacks import Checkpoint
+
+    def eval_fn(model, batch):
+        inputs, targets = batch
+        return {"acc": (model(inputs).argmax(1) == targets).float().mean(), "loss": torch.tensor(0.0)}
+
+    model = tiny_model()
+    checkpoint = Checkpoint(dir=str(tmp_path / "ckpt"), save_best=True, monitor="val.acc", mode="max")
+    engine = cadence.Engine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_batches(4), loss_fn=torch.nn.functional.cross_entropy,
+        eval_data=tiny_batches(2), eval_fn=eval_fn, callbacks=[OpensRunDir(), checkpoint],
+        workspace=str(tmp_path / "ws"), seed=0, device="cpu",
+    )  # fmt: skip
+    engine.fit(epochs=2)
+    best = rundir.read_attempts(engine.run_dir)[-1]["best"]
+    assert best["metric"] == "val.acc" == checkpoint.best_metric
+    assert best["value"] == checkpoint.best_score and best["step"] == checkpoint.best_step is not None
+
+
 def test_attempt_record_preempted(tmp_path):
     from cadence.callbacks import Preemption
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.backends import float8
-from cadence.backends.ddp import _OPS, DDPBackend, OverlappedAgreement
+from cadence.backends.ddp import REDUCE_OPS, DDPBackend, OverlappedAllReduce
 from cadence.backends.device import resolve_device
 from cadence.backends.mesh import accumulation, sharding
 from cadence.backends.mesh.config import MeshConfig
@@ -53,7 +53,8 @@ from cadence.backends.transforms import (
     find_units,
     unwrap_compiled,
 )
-from cadence.engine.backend import NULL_CONTEXT, Domain, LocalParameter, ReduceOp, StepPlan
+from cadence.engine.backend import NULL_CONTEXT, Domain, LocalParameter, ReduceOp, Step
+from cadence.engine.step import nothing
 from cadence.run import config as config_module
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class MeshBackend(DDPBackend):
         self._agree_host: torch.Tensor | None = None
         self._agree_device: torch.Tensor | None = None
         self._agree_view: Any = None
-        self._overlapped = OverlappedAgreement()
+        self._overlapped = OverlappedAllReduce()
         #: The `DeviceMesh` (dims "replicate", "shard" and "tensor" when > 1), set in setup.
         self.mesh: Any = None
         #: Every axis's resolved size.
@@ -184,7 +185,7 @@ class MeshBackend(DDPBackend):
         self.group = dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self.device = self._resolve_device()  # `cuda` is this rank's local GPU (cadence.backends.device)
+        self.device = self.rank_device()  # `cuda` is this rank's local GPU (cadence.backends.device)
         self._build_mesh()
         if self.ft is not None:  # the Manager joins the lighthouse; the first quorum heals the groups equal
             self.ft.start(engine, self.rank, self.world_size, self.device.type)
@@ -219,7 +220,7 @@ class MeshBackend(DDPBackend):
         units = find_units(model, config.units, self.units_fn)
         if config.activation_checkpointing.mode != "none" and not units:
             apply_activation_checkpointing(units, config.activation_checkpointing)  # raises, naming the fix
-        group = dist.get_backend() if dist.is_initialized() else self._group_backend()
+        group = dist.get_backend() if dist.is_initialized() else self.process_group_backend_name()
         _check_large_model_options(
             model, config, sizes, resolve_device(self.requested_device, process_group=group, current=False)
         )
@@ -243,17 +244,17 @@ class MeshBackend(DDPBackend):
 
     def _expected_device_type(self) -> str:
         """The device type setup will choose, known before any process group (for validation)."""
-        group = dist.get_backend() if dist.is_initialized() else self._group_backend()
+        group = dist.get_backend() if dist.is_initialized() else self.process_group_backend_name()
         return resolve_device(self.requested_device, process_group=group, current=False).type
 
     def _init_group(self) -> None:
         if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
             # One process started as a plain script: a group of one, no launcher needed.
-            backend = self._group_backend()
+            backend = self.process_group_backend_name()
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
             self.created_group = True
         else:
-            self._init_process_group()
+            self.start_process_group()
 
     def _build_mesh(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -382,38 +383,37 @@ class MeshBackend(DDPBackend):
 
     # -- the step ---------------------------------------------------------
 
-    def step_plan(self, engine: Engine) -> StepPlan:
-        plan = super().step_plan(engine)
+    def build_step(self, engine: Engine) -> Step:
+        step = super().build_step(engine)
         if self._sync is not None:
             self._sync.reset()
         if not self.sharded:  # tensor-only mesh: gradients are complete after backward
-            plan = attrs.evolve(plan, gradient_sync=None)
+            step = attrs.evolve(step, gradient_sync=nothing)
         if self.pipeline is not None:  # the schedule runs the micro-batches (and syncs gradients itself)
             refuse_short_steps(engine, engine.config.grad_accum)
-            plan = attrs.evolve(plan, schedule=self.pipeline.forward_backward, gradient_sync=None)
-        return self._context_expert_plan(plan)
+            step = attrs.evolve(step, schedule=self.pipeline.forward_backward, gradient_sync=nothing)
+        return self._context_expert_step(step)
 
-    def _context_expert_plan(self, plan: StepPlan) -> StepPlan:
+    def _context_expert_step(self, step: Step) -> Step:
         """Context parallel runs the micro-batches (`context.ContextSchedule`); expert gradients get finished."""
         if self._expert_params:
             from cadence.backends.mesh import experts
 
-            finish_experts = experts.ExpertGradients(
-                self._expert_params, self.expert_mesh, self.data_size * self.sizes["context"]
-            )
-            previous = plan.finish_gradients
+            groups = self.data_size * self.sizes["context"]
+            finish_experts = experts.ExpertGradients(self._expert_params, self.expert_mesh, groups)
+            finish_step = step.finish_gradients
 
             def finish(engine: Engine) -> None:
-                previous is None or previous(engine)
+                finish_step(engine)
                 finish_experts()
 
-            plan = attrs.evolve(plan, finish_gradients=finish)
+            step = attrs.evolve(step, finish_gradients=finish)
         if self.context_mesh is not None:
             from cadence.backends.mesh import context
 
             kernel = context.resolve_kernel(self.config.context_attention, self.device.type)
-            plan = attrs.evolve(plan, schedule=context.ContextSchedule(self.context_mesh, kernel, plan))
-        return plan
+            step = attrs.evolve(step, schedule=context.ContextSchedule(self.context_mesh, kernel, step))
+        return step
 
     def data_shard(self, split: str) -> tuple[int, int]:
         """The data ranks; with ft, training data over the data ranks of every replica group."""
@@ -523,14 +523,14 @@ class MeshBackend(DDPBackend):
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", domain: Domain = "data") -> torch.Tensor:
         """All-reduce a copy of `tensor` over `domain` (no collective when it has one rank)."""
-        if op not in _OPS:
-            raise ValueError(f"reduce(op={op!r}): expected one of {sorted(_OPS)}")
+        if op not in REDUCE_OPS:
+            raise ValueError(f"reduce(op={op!r}): expected one of {sorted(REDUCE_OPS)}")
         group, size = self._group(domain)
         result = tensor.detach().clone()
         if op == "mean" and not result.is_floating_point():
             result = result.double()
         if size > 1:
-            dist.all_reduce(result, op=_OPS[op], group=group)
+            dist.all_reduce(result, op=REDUCE_OPS[op], group=group)
             if op == "mean":
                 result /= size
         return result

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from cadence.engine.backend import StepPlan
     from cadence.engine.engine import Engine
+    from cadence.engine.step import Step
 
 #: `MeshConfig.context_attention` values and the SDPA backend each enables (None: torch's own choice).
 KERNELS: dict[str, str | None] = {"auto": None, "math": "MATH", "flash": "FLASH_ATTENTION",
@@ -112,17 +112,17 @@ class ContextSchedule:
     Args:
         mesh: the 1-D context `DeviceMesh`.
         kernel: the resolved kernel name ("auto", "math", "flash", ...).
-        plan: the step plan the backend would use otherwise (placement,
+        step: the step the backend would use otherwise (placement,
             gradient sync, autocast, backward are taken from it).
     """
 
-    def __init__(self, mesh: Any, kernel: str, plan: StepPlan) -> None:
+    def __init__(self, mesh: Any, kernel: str, step: Step) -> None:
         self.mesh, self.group, self.size = mesh, mesh.get_group(), mesh.size()
         self.kernel = kernel
-        self.to_device: Callable[[Any], Any] | None = plan.to_device
-        self.sync: Callable[[bool], None] | None = plan.gradient_sync
-        self.backward: Callable[[torch.Tensor, int], None] | None = plan.backward
-        self.autocast = plan.autocast
+        self.to_device: Callable[[Any], Any] | None = step.to_device
+        self.sync: Callable[[bool], None] = step.gradient_sync
+        self.backward: Callable[[torch.Tensor, int], None] = step.backward
+        self.autocast = step.autocast
 
     def _attention(self) -> contextlib.AbstractContextManager[Any]:
         backend = KERNELS[self.kernel]
@@ -154,13 +154,13 @@ class ContextSchedule:
 
         from cadence.engine.events import Event
 
-        fire, hooks = engine.fire, engine.hooks
+        fire = engine.fire
         to_device, sync, backward = self.to_device, self.sync, self.backward
         n = len(micro_batches)
         for i, batch in enumerate(micro_batches, 1):
             engine.batch = batch if to_device is None else to_device(batch)
-            hooks(Event.ON_BATCH) and fire(Event.ON_BATCH)
-            sync is None or sync(i == n)
+            fire(Event.ON_BATCH)
+            sync(i == n)
             tensors, dims, keep = self.buffers(engine, engine.batch)
             with (
                 context_parallel(self.mesh, buffers=tensors, buffer_seq_dims=dims, no_restore_buffers=keep),
@@ -172,9 +172,6 @@ class ContextSchedule:
                 whole = loss.detach().clone()
                 dist.all_reduce(whole, group=self.group)
                 engine.loss = whole.div_(self.size)  # the whole sequence's loss, for callbacks and metrics
-                hooks(Event.ON_FORWARD) and fire(Event.ON_FORWARD)
-                if backward is None:
-                    (loss if n == 1 else loss / n).backward()
-                else:
-                    backward(loss, n)
-            hooks(Event.ON_BACKWARD) and fire(Event.ON_BACKWARD)
+                fire(Event.ON_FORWARD)
+                backward(loss, n)
+            fire(Event.ON_BACKWARD)

@@ -26,8 +26,6 @@ from cadence.engine.events import Event
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine
 
-_ON_BATCH, _ON_FORWARD, _ON_BACKWARD = Event.ON_BATCH, Event.ON_FORWARD, Event.ON_BACKWARD
-
 #: `split(model, parts) -> [[fqn, ...], ...]`: the module FQNs of each model part, in pipeline order.
 SplitFn = Callable[[torch.nn.Module, int], Sequence[Sequence[str]]]
 
@@ -297,13 +295,11 @@ class Pipeline:
                 "the train data's epoch ended inside a step: make the batches per epoch a multiple of grad_accum "
                 "(drop_last=True on the train data)"
             )
-        hooks, fire = engine.hooks_table, engine.fire
         batches = list(micro_batches)
-        if hooks[_ON_BATCH]:
-            for i, batch in enumerate(batches):
-                engine.batch = batch
-                fire(_ON_BATCH)
-                batches[i] = engine.batch
+        for i, batch in enumerate(batches):
+            engine.batch = batch
+            engine.fire(Event.ON_BATCH)
+            batches[i] = engine.batch
         inputs = [b[0] for b in batches]
         shape = inputs[-1].shape
         if self._shape is None:
@@ -328,12 +324,11 @@ class Pipeline:
         else:
             self.schedule.step(return_outputs=False)
         engine.outputs = None
-        forward, backward = hooks[_ON_FORWARD], hooks[_ON_BACKWARD]
         for i, batch in enumerate(batches):
             engine.batch = batch
             engine.loss = losses[i].detach() if losses else None
-            forward and fire(_ON_FORWARD)
-            backward and fire(_ON_BACKWARD)
+            engine.fire(Event.ON_FORWARD)
+            engine.fire(Event.ON_BACKWARD)
 
     # -- evaluation and prediction --------------------------------------------------
 
