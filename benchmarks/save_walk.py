@@ -20,7 +20,7 @@ Building the payload is one frame (`build_payload`): what it calls (the
 engine's counters, every callback's `state_dict`) is what is saved, not the walk.
 
 - *stays*: the frames on the way down from `Checkpoint._save` to the store's
-  commit of `latest` (the `_commit` frame that renames the written folder to
+  commit of `latest` (the `commit_folder` frame that renames the written folder to
   `latest`): its `cadence/` ancestors, and for a commit in a thread the save
   started, the ancestors of the frame that started that thread as well.
 - *climbs*: calls from a lower layer into a higher one (a store calling the
@@ -149,7 +149,7 @@ class Walk:
                 self._descended = True
             if callee <= SAVER or (caller is not None and caller <= SAVER):
                 self.visited.setdefault(name(frame), callee)
-            if self.chain is None and frame.f_code.co_name == "_commit":
+            if self.chain is None and frame.f_code.co_name == "commit_folder":
                 final = frame.f_locals.get("final")
                 if isinstance(final, Path) and final.name == "latest":
                     self.chain = self._chain_of(frame)

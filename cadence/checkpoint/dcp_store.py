@@ -192,7 +192,7 @@ class DCPStore(FolderStore, AsyncCheckpointStore):
 
                 dcp.save(prepared.tensors, storage_writer=prepared.writer, process_group=group, no_dist=group is None)
             if prepared.rank == 0:
-                manifest = dcp_commit.finish(prepared, self.durable, self._commit)
+                manifest = dcp_commit.finish(prepared, self.durable, self.commit_folder)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -277,7 +277,7 @@ class DCPStore(FolderStore, AsyncCheckpointStore):
             future.result()
             manifest = None
             if prepared.rank == 0:
-                manifest = dcp_commit.finish(prepared, self.durable, self._commit)
+                manifest = dcp_commit.finish(prepared, self.durable, self.commit_folder)
                 committed = True
                 if after_commit is not None:
                     after_commit(manifest)
@@ -320,7 +320,7 @@ class DCPStore(FolderStore, AsyncCheckpointStore):
         """Main rank (no collectives): every file's size, then its XXH3-64, against the manifest."""
         manifest = self.manifest(name)
         folder = self.path(name)
-        self._check_sizes(folder, manifest, manifest["files"])
+        self.check_sizes(folder, manifest, manifest["files"])
         for file in sorted(manifest["files"]):
             dcp_read.check_checksum(folder, manifest, file)
         return manifest
@@ -349,7 +349,7 @@ class DCPStore(FolderStore, AsyncCheckpointStore):
             manifest = self.manifest(name)
             step = manifest.get("step")
             files = manifest["files"]
-            self._check_sizes(folder, manifest, files)
+            self.check_sizes(folder, manifest, files)
             for file in sorted(files)[rank::world]:  # each rank hashes its share
                 dcp_read.check_checksum(folder, manifest, file)
             if template is None:

@@ -117,7 +117,7 @@ class DeepSpeedStore(FolderStore):
     def write(self, name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
         """Save through `ds.save_checkpoint` on every rank, then commit `name` on the main rank."""
         file_io.check_name(name)
-        backend, directory = self.backend, self._folder()
+        backend, directory = self.backend, self.folder_path()
         meta: Mapping[str, Any] = payload["meta"] if isinstance(payload.get("meta"), Mapping) else {}
         step = meta.get("step")
         tag = f".tmp-{name}.s{step}"
@@ -146,7 +146,7 @@ class DeepSpeedStore(FolderStore):
                         if path.is_file():
                             file_io.fsync_file(path)
                     file_io.fsync_dir(tmp)
-                self._commit(tmp, final)
+                self.commit_folder(tmp, final)
             except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
                 error = exc
@@ -209,7 +209,7 @@ class DeepSpeedStore(FolderStore):
         """Check every file's size, then its XXH3-64 checksum, against the manifest (reads everything)."""
         manifest = self.manifest(name)
         folder, step = self.path(name), manifest.get("step")
-        self._check_sizes(folder, manifest, manifest["files"])
+        self.check_sizes(folder, manifest, manifest["files"])
         for file, entry in manifest["files"].items():
             value = file_checksum(folder / file)
             if entry.get("algorithm") not in _ALGORITHMS or value != entry["checksum"]:
@@ -264,7 +264,7 @@ class DeepSpeedStore(FolderStore):
             ds = self.backend.ds
             try:
                 path, states = ds.load_checkpoint(
-                    str(self._folder()),
+                    str(self.folder_path()),
                     tag=name,
                     load_module_strict=manifest.get("params", "all") != "trainable",
                     load_module_only=module_only,

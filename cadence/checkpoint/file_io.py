@@ -116,7 +116,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().contiguous()
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's memory as a flat uint8 tensor, without a copy."""
     return t.reshape(-1).view(torch.uint8)
 
@@ -272,7 +272,7 @@ def _write_chunks(fd: int, tensors: list[torch.Tensor], checksum: Checksum, dura
             _write_all(fd, memoryview(gap))
             checksum.update(gap)
             written = padded(written)
-        flat = _flat_bytes(tensor)
+        flat = flat_bytes(tensor)
         for i in range(0, flat.numel(), CHUNK):
             chunk = flat[i : i + CHUNK]
             _write_all(fd, memory(chunk))

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from cadence.checkpoint.direct_io import ALIGN, LINUX, O_DIRECT, Prefault, aligned_empty, cached_fraction
-from cadence.checkpoint.file_io import CHUNK, Checksum, _flat_bytes, memory
+from cadence.checkpoint.file_io import CHUNK, Checksum, flat_bytes, memory
 from cadence.checkpoint.store import CheckpointError
 
 BIG = 1 << 20  # tensors of at least this many bytes get their own aligned buffer (no copy)
@@ -242,7 +242,7 @@ def _read_pack(reader: _Reader, group: list[Entry], scratch: torch.Tensor, feed:
             feed(offset, data)  # inline: the scratch buffer is reused
             continue
         tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-        flat = _flat_bytes(tensor)
+        flat = flat_bytes(tensor)
         flat.copy_(data)
         feed(offset, flat)
         out[index] = tensor
@@ -265,7 +265,7 @@ def _typed(flat: torch.Tensor, dtype: str, shape: Any) -> torch.Tensor:
         return flat.view(kind).view(shape)
     except RuntimeError:  # an offset that is no multiple of the element size: a copy of its own
         tensor = torch.empty(shape, dtype=kind)
-        _flat_bytes(tensor).copy_(flat)
+        flat_bytes(tensor).copy_(flat)
         return tensor
 
 

@@ -76,7 +76,7 @@ class FileStore(FolderStore):
 
     def write(self, name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
         file_io.check_name(name)
-        with self._staged(name) as tmp:
+        with self.staged_folder(name) as tmp:
             tree, table, groups = file_io.split(payload)
             files = {}
             for file, tensors in groups.items():
@@ -133,7 +133,7 @@ class FileStore(FolderStore):
 
     def _verify(self, name: str) -> dict[str, Any]:
         manifest, folder, _, table = self._skeleton(name)
-        self._check_sizes(folder, manifest, manifest["files"])
+        self.check_sizes(folder, manifest, manifest["files"])
         files = [file for file in manifest["files"] if file != PAYLOAD]
         self._read_files(folder, manifest, table, files, None)
         for file in files:
@@ -191,7 +191,7 @@ class FileStore(FolderStore):
             raise CheckpointError(
                 f"{unlisted} are referenced but not in the manifest", path=folder, step=manifest["step"]
             )
-        self._check_sizes(folder, manifest, {file: manifest["files"][file] for file in files})  # before any read
+        self.check_sizes(folder, manifest, {file: manifest["files"][file] for file in files})  # before any read
         self._read_files(folder, manifest, table, files, tensors)
         return file_io.rebuild(tree, tensors)
 
@@ -203,7 +203,7 @@ class FileStore(FolderStore):
             raise CheckpointError(
                 f"the manifest lists no {PAYLOAD}: not a checkpoint of this format", path=folder, step=step
             )
-        self._check_sizes(folder, manifest, {PAYLOAD: manifest["files"][PAYLOAD]})
+        self.check_sizes(folder, manifest, {PAYLOAD: manifest["files"][PAYLOAD]})
         data = (folder / PAYLOAD).read_bytes()
         self._check_checksum(folder, manifest, PAYLOAD, file_io.digest(data))
         try:

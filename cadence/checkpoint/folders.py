@@ -5,7 +5,7 @@ A checkpoint is `<directory>/<name>/`, complete when its `manifest.json`
 superseded and deleted ones wait in `.old-...` / `.trash-...` until removed.
 The file, DCP and DeepSpeed stores share this layout: `FolderStore` lists
 (`names`, `exists`), sweeps, locates, commits a written folder under its name
-(`_commit`: an atomic exchange), links, deletes, frames the manifest check and
+(`commit_folder`: an atomic exchange), links, deletes, frames the manifest check and
 checks file sizes once; each store writes and reads its own files.
 """
 
@@ -37,7 +37,7 @@ class FolderStore(CheckpointStore):
     """A store of one folder per named checkpoint, committed by renaming a finished temporary folder.
 
     Subclasses write (`write`) into a temporary folder and give it its name
-    with `_commit` (or write inside `_staged`); they read their own files and
+    with `commit_folder` (or write inside `staged_folder`); they read their own files and
     add their checks of a manifest (`_check_manifest`).
 
     Args:
@@ -58,7 +58,7 @@ class FolderStore(CheckpointStore):
         self.durable = durable
         self._reaper = Reaper()  # shared by the copies `at()` makes
 
-    def _folder(self) -> Path:
+    def folder_path(self) -> Path:
         if self.directory is None:
             raise ValueError(f"{type(self).__name__} has no directory: use store.at(directory)")
         return self.directory
@@ -71,7 +71,7 @@ class FolderStore(CheckpointStore):
 
     def names(self) -> list[str]:
         """The complete checkpoints (folders with a manifest), sorted."""
-        directory = self._folder()
+        directory = self.folder_path()
         if not directory.is_dir():
             return []
         return sorted(
@@ -90,7 +90,7 @@ class FolderStore(CheckpointStore):
         alone; an `.old-` folder whose name is free again is a commit that died
         between its two renames (no atomic exchange here): it is put back.
         """
-        directory = self._folder()
+        directory = self.folder_path()
         if not directory.is_dir():
             return []
         removed = []
@@ -179,7 +179,7 @@ class FolderStore(CheckpointStore):
         """
         return None
 
-    def _check_sizes(self, folder: Path, manifest: dict[str, Any], files: Mapping[str, Any]) -> None:
+    def check_sizes(self, folder: Path, manifest: dict[str, Any], files: Mapping[str, Any]) -> None:
         """Every file of `files` (manifest entries) is there with the size the manifest says."""
         for file, expected in files.items():
             try:
@@ -199,7 +199,7 @@ class FolderStore(CheckpointStore):
     # -- committing, naming, removing (main rank) ------------------------------------------
 
     @contextlib.contextmanager
-    def _staged(self, name: str) -> Iterator[Path]:
+    def staged_folder(self, name: str) -> Iterator[Path]:
         """A temporary folder beside `name`; committed in place on success, removed on error."""
         final = self.path(name)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -209,12 +209,12 @@ class FolderStore(CheckpointStore):
             yield tmp
             if self.durable:
                 file_io.fsync_dir(tmp)
-            self._commit(tmp, final)
+            self.commit_folder(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _commit(self, tmp: Path, final: Path) -> None:
+    def commit_folder(self, tmp: Path, final: Path) -> None:
         """Give `tmp` the name `final` in one step; the previous `final` is removed after, in the background."""
         old: Path | None = None
         if not final.exists():
@@ -235,7 +235,7 @@ class FolderStore(CheckpointStore):
         file_io.check_name(dst)
         source = self.path(src)
         self.manifest(src)  # only a complete checkpoint gets another name
-        with self._staged(dst) as tmp:
+        with self.staged_folder(dst) as tmp:
             for entry in sorted(os.scandir(source), key=lambda e: e.name == MANIFEST):  # manifest last
                 if entry.is_dir():
                     shutil.copytree(entry.path, tmp / entry.name, copy_function=self._link_file)

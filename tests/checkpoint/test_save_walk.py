@@ -33,7 +33,7 @@ def test_a_save_walks_down_to_the_commit_in_at_most_8_frames_and_climbs_back_at_
     walk_module = _save_walk()
     walk = walk_module.trace_save(store, tmp_path)
     assert walk.chain is not None and walk.chain[0] == "callbacks/checkpoint.py:Checkpoint._save"
-    assert walk.chain[-1].endswith("._commit"), walk.chain  # the rename that commits `latest`
+    assert walk.chain[-1].endswith(".commit_folder"), walk.chain  # the rename that commits `latest`
     assert len(walk.chain) <= walk_module.TARGET_STAYS, "\n".join(walk.chain)
     assert len(walk.climbs) <= walk_module.TARGET_CLIMBS, "\n".join(walk.climbs)
     assert not any("callbacks/checkpoint.py" in climb.split(" -> ")[1] for climb in walk.climbs), walk.climbs
