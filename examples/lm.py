@@ -13,6 +13,7 @@
         tensor_parallel.sequence_parallel=true tensor_parallel.loss_parallel=true
     python examples/lm.py engine.precision=bf16 precision_overrides='{RMSNorm: fp32, output: fp32}'
     python examples/lm.py engine.device=cuda engine.precision=bf16 float8.enabled=true   # a GPU of capability >= 8.9
+    python examples/lm.py nproc=2 'callbacks=[{name: collective_guard}, {name: time_budget, max_time: "01:00:00"}]'
     torchrun --nproc_per_node 2 examples/lm.py                # or under torchrun
 
 The corpus is the `.py` files at the top of the running interpreter's standard
@@ -62,6 +63,7 @@ from cadence.backends.float8 import Float8Config
 from cadence.callbacks import JSONL, Checkpoint, TextLog, TrainMetrics
 from cadence.callbacks.checkpoint import CheckpointConfig
 from cadence.run.config_cli import parse_cli
+from cadence.run.registry import build_callback
 
 # -- the model ---------------------------------------------------------------------------
 
@@ -677,6 +679,10 @@ class LMConfig:
         checkpoint: the run's checkpoints (`CheckpointConfig`): every 50 steps,
             written in the background (`async_mode: async`), resumed by the same
             command (`auto_resume`).
+        callbacks: more callbacks as config entries by registry name, e.g.
+            `[{name: collective_guard}]` (ranks that issue different collectives
+            fail at once), `[{name: time_budget, max_time: "01:00:00"}]`,
+            `[{name: heartbeat, timeout: 600}]`.
         engine: the loop's settings.
     """
 
@@ -692,6 +698,7 @@ class LMConfig:
     checkpoint: CheckpointConfig = attrs.field(
         factory=lambda: CheckpointConfig(interval=50, async_mode="async", auto_resume=True)
     )
+    callbacks: list[dict[str, Any]] = attrs.field(factory=list)
     engine: cadence.EngineConfig = attrs.field(
         factory=lambda: cadence.EngineConfig(
             steps=200,
@@ -836,7 +843,8 @@ def train(cfg: LMConfig) -> dict[str, float]:
     """One process's part of the run; returns the final validation metrics."""
     checkpoint = Checkpoint(cfg.checkpoint)
     # metrics.jsonl and the log in the run directory, and checkpoints the same command resumes from.
-    engine = build_engine(cfg, callbacks=[JSONL(), TextLog(console_metrics=False), checkpoint])
+    extra = [build_callback(entry) for entry in cfg.callbacks]
+    engine = build_engine(cfg, callbacks=[JSONL(), TextLog(console_metrics=False), checkpoint, *extra])
 
     @engine.on(cadence.Event.ON_FIT_START, when=lambda engine: engine.backend.is_main)
     def announce(engine: cadence.Engine) -> None:

@@ -50,7 +50,9 @@ def final_val_loss(out: str) -> float:
 def test_lm_trains_on_two_ranks_and_its_loss_falls(tmp_path):
     untrained = final_val_loss(run(tmp_path / "untrained", "engine.steps=0"))
     assert untrained == pytest.approx(math.log(256), abs=0.15)  # a fresh byte model guesses uniformly
-    out = run(tmp_path / "trained", "engine.steps=30", "engine.eval_every_steps=15", "nproc=2")
+    # With the collective guard (a config entry): a real job's ranks issue the same collectives every step.
+    guard = "callbacks=[{name: collective_guard}]"
+    out = run(tmp_path / "trained", "engine.steps=30", "engine.eval_every_steps=15", "nproc=2", guard)
     assert "ddp(rank=0/2" in out
     assert "tokens/s" in out
     # The schedule evaluates step 30; the final report takes its results rather than evaluating it again.
