@@ -173,12 +173,12 @@ def restore(engine: Engine, payload: Mapping[str, Any], *, strict: bool = True, 
     keep_position = _check_config(engine, saved_config, strict, fail, warnings)
     positions = (payload.get("data") or {}).get("train")
     train = engine.data.get("train")
-    # On another number of data ranks, a map-style Dataset's epoch is re-split (`DataSource.reshard`): exact.
-    resharded = train.reshard(positions, payload["engine"]) if keep_position and train is not None else None
-    if positions is not None and len(positions) != backend.data_size and resharded is None:
+    moved = positions is not None and len(positions) != backend.data_size  # a map-style Dataset's epoch: re-split
+    resharded = train.reshard(positions, payload["engine"]) if moved and keep_position and train is not None else None
+    if moved and resharded is None:
         keep_position = False
         warnings.append(
-            f"it was saved on {len(positions)} data rank(s), this run has {backend.data_size}: the train position "
+            f"it was saved on {len(positions or ())} data rank(s), this run has {backend.data_size}: the train position "
             f"cannot be resharded (only a map-style Dataset's can), so epoch {payload['engine'].get('epoch')} restarts "
             f"from its first batch ({payload['engine'].get('batch_in_epoch')} batches per rank are seen again)"
         )
