@@ -21,6 +21,7 @@ _OPTIONAL = (
     ("scikit-learn", ("scikit-learn",), "examples"),
     ("torchao", ("torchao",), "float8"),
     ("safetensors", ("safetensors",), "hf"),
+    ("s3fs", ("s3fs",), "s3"),
 )
 # pyproject.toml's dependencies besides torch (shown above them); tests/test_cli.py compares the two.
 _CORE = ("torchdata", "attrs", "cattrs", "pyyaml", "tqdm", "xxhash", "numpy") + (

@@ -24,7 +24,7 @@ from cadence.cli import main
 from cadence.launch import launch
 from tests.callbacks.test_checkpoint import trained
 
-pytest.importorskip("safetensors")
+pytest.importorskip("safetensors", reason="needs safetensors: pip install 'cadence[hf]'")
 pytestmark = pytest.mark.timeout(240)
 
 

@@ -17,7 +17,7 @@ from cadence.checkpoint import CheckpointError
 from cadence.launch import launch
 from tests.callbacks.test_checkpoint import make, setup_only
 
-safetensors_torch = pytest.importorskip("safetensors.torch")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors: pip install 'cadence[hf]'")
 pytestmark = pytest.mark.timeout(120)
 
 

@@ -22,7 +22,7 @@ def run(cwd: Path, script: str, *overrides: str) -> str:
 
 
 def test_ddp_digits_trains_its_own_run_after_the_one_process_run(tmp_path):
-    pytest.importorskip("sklearn")
+    pytest.importorskip("sklearn", reason="needs scikit-learn: pip install 'cadence[examples]'")
     alone = run(tmp_path, "digits.py")
     assert "resumed from" not in alone
     two = run(tmp_path, "ddp_digits.py")

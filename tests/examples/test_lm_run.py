@@ -21,7 +21,7 @@ CADENCE = Path(sys.executable).with_name("cadence")
 
 
 def test_lm_leaves_a_run_resumes_after_ctrl_c_and_plots(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib: pip install 'cadence[plot]'")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     command = [sys.executable, str(ROOT / "examples" / "lm.py"), *TINY, "engine.steps=40", "engine.device=cpu",
                "engine.eval_every_steps=20", "checkpoint.interval=10"]  # fmt: skip
