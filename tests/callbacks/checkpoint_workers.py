@@ -88,6 +88,17 @@ def build(
     return engine, recorder
 
 
+def outcome(engine: cadence.Engine, recorder: Any) -> dict[str, Any]:
+    """What a resume test compares: losses, parameters, optimizer state, engine state, where it restored from."""
+    return {
+        "losses": recorder.losses,
+        "params": {k: v.clone() for k, v in engine.model.state_dict().items()},
+        "optimizer": engine.optimizers[0].state_dict(),
+        "state": engine.state.state_dict(),
+        "restored_from": engine.restored_from,
+    }
+
+
 def run(
     directory: str, out: str, *, workers: int, mode: str = "step", stop: int | None = None, resume: str = "none"
 ) -> None:
@@ -96,13 +107,7 @@ def run(
     try:
         engine, recorder = build(directory, workers=workers, mode=mode, stop=stop, resume=resume)
         engine.fit()
-        result = {
-            "losses": recorder.losses,
-            "params": {k: v.clone() for k, v in engine.model.state_dict().items()},
-            "optimizer": engine.optimizers[0].state_dict(),
-            "state": engine.state.state_dict(),
-            "restored_from": engine.restored_from,
-        }
+        result = outcome(engine, recorder)
         torch.save(result, out)
     except BaseException:
         Path(out + ".error").write_text(traceback.format_exc())
@@ -187,13 +192,7 @@ def plain_run(
             engine.fit()
         finally:
             engine.close()
-        result = {
-            "losses": recorder.losses,
-            "params": {k: v.clone() for k, v in engine.model.state_dict().items()},
-            "optimizer": engine.optimizers[0].state_dict(),
-            "state": engine.state.state_dict(),
-            "restored_from": engine.restored_from,
-        }
+        result = outcome(engine, recorder)
         if out is not None:
             torch.save(result, out)
         return result

@@ -195,13 +195,7 @@ def ddp_run(
     )
     try:
         engine.fit()
-        return {
-            "losses": recorder.losses,
-            "params": {k: v.clone() for k, v in engine.model.state_dict().items()},
-            "optimizer": engine.optimizers[0].state_dict(),
-            "state": engine.state.state_dict(),
-            "restored_from": engine.restored_from,
-        }
+        return checkpoint_workers.outcome(engine, recorder)
     finally:
         engine.close()
 

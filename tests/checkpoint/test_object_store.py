@@ -22,7 +22,7 @@ from cadence.checkpoint.object_file import ObjectFileStore
 from cadence.checkpoint.object_store import SAVES, ObjectStore
 from cadence.checkpoint.store import CheckpointError, for_location, is_url
 from cadence.testing.s3 import S3Server
-from tests.callbacks.checkpoint_workers import build
+from tests.callbacks.checkpoint_workers import build, outcome
 from tests.callbacks.test_resume import assert_bitwise
 from tests.checkpoint.test_file_store import payload
 
@@ -52,13 +52,7 @@ def run(directory: str, stop: int | None, resume: str, async_mode: str) -> dict[
     engine, recorder = build(directory, workers=0, mode="step", stop=stop, resume=resume, async_mode=async_mode)
     with engine:
         engine.fit()
-        return {
-            "losses": recorder.losses,
-            "params": {k: v.clone() for k, v in engine.model.state_dict().items()},
-            "optimizer": engine.optimizers[0].state_dict(),
-            "state": engine.state.state_dict(),
-            "restored_from": engine.restored_from,
-        }
+        return outcome(engine, recorder)
 
 
 def test_urls_select_the_object_store_of_the_backends_kind(tmp_path: Path) -> None:
