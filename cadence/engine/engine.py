@@ -8,17 +8,18 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import torch
 
 from cadence.engine import agreement as agreements
-from cadence.engine import checks
+from cadence.engine import checks, forward, sources
 from cadence.engine.backend import Backend, batch_size
 from cadence.engine.bus import Callbacks, EventBus, Handle, as_event, callback_key
+from cadence.engine.config import EngineConfig, EvalSetConfig, build_config, check_budget, fit_target, make_backend
+from cadence.engine.context import ContextField, StepContext
 from cadence.engine.control import Requests
-from cadence.engine.data import DataConfig, DataSource
 from cadence.engine.evaluation import MetricInputs, MetricSet
 from cadence.engine.evaluator import Evaluator, split_name
 from cadence.engine.events import Event
@@ -27,92 +28,11 @@ from cadence.engine.metrics import MetricStore, Reduction
 from cadence.engine.placement import Placement
 from cadence.engine.state import State, seed_everything
 from cadence.engine.step import Step, as_given
-from cadence.run import config as config_module
 from cadence.run import registry, rundir
 
+__all__ = ["Engine", "EngineConfig", "EvalSetConfig"]
+
 logger = logging.getLogger("cadence")
-
-_optional_ge0 = attrs.validators.optional(attrs.validators.ge(0))
-
-
-def _known_backend(instance: Any, attribute: Any, value: str) -> None:
-    """attrs validator of `EngineConfig.backend`: a misspelled name is a config error, before anything starts."""
-    if value != "auto" and not registry.backends.is_known(value):
-        raise ValueError(registry.backends.unknown(value))
-
-
-@attrs.define(kw_only=True)
-class EvalSetConfig:
-    """One evaluation set's schedule and loader settings (`EngineConfig.eval_sets[split]`).
-
-    Attributes:
-        every_epochs: evaluate this set after every N epochs; None: as `eval_every_epochs`; 0: never.
-        every_steps: evaluate this set after every N steps; None: as `eval_every_steps`; 0: never.
-        data: loader settings when this set is a Dataset; None: the engine's `eval` settings.
-    """
-
-    every_epochs: int | None = attrs.field(default=None, validator=_optional_ge0)
-    every_steps: int | None = attrs.field(default=None, validator=_optional_ge0)
-    data: DataConfig | None = None
-
-
-@attrs.define(kw_only=True)
-class EngineConfig:
-    """What the loop does; each callback and backend has its own config.
-
-    Attributes:
-        steps: total optimizer steps that `fit()` trains to (step mode).
-        epochs: total epochs that `fit()` trains to (epoch mode). With both
-            `steps` and `epochs`, `fit()` stops at whichever bound it reaches first.
-        grad_accum: micro-batches per optimizer step (gradient accumulation).
-        eval_every_epochs: evaluate after every N epochs (None: never at epoch end).
-        eval_every_steps: evaluate after every N steps (None: never mid-epoch).
-        log_interval: reduce logged metrics and fire on_log every N steps, and
-            at the end of a fit that stopped between two multiples of N.
-        precision: fp32, bf16 (autocast) or fp16 (autocast with a GradScaler, CUDA only).
-        device: cpu, cuda (this process's local-rank GPU), cuda:1, mps; None picks the backend's
-            default (see docs/gpus.md).
-        prefetch_to_device: copy each training micro-batch to the device one ahead of its use, on a
-            side stream on CUDA, so the copy overlaps compute (`cadence.engine.placement`); None: on
-            when batches go to a CUDA device.
-        backend: backend name (auto, local, ddp, ...); auto picks ddp when WORLD_SIZE > 1.
-        seed: seeds python, numpy and torch (plus the rank) and data shuffling; None draws one and records it.
-        deterministic: deterministic torch kernels and cuBLAS workspace (slower on GPU; see docs/run-directory.md).
-        workspace: root folder of run directories (`workspace/lineage[-code_id]/run_id/`).
-        lineage: name grouping the runs of one experiment.
-        run_id: the run's folder name; None derives a stable one from the config.
-        train: loader settings for training data given as a Dataset.
-        eval: loader settings for evaluation data given as a Dataset.
-        predict: loader settings for prediction data given as a Dataset.
-        eval_sets: per evaluation set (by split name, as in `eval_data={"val": ..., "test": ...}`),
-            its own schedule and loader settings; a set not listed follows `eval_every_*` and `eval`.
-    """
-
-    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
-    epochs: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
-    grad_accum: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    eval_every_epochs: int | None = attrs.field(
-        default=1,
-        validator=attrs.validators.optional(attrs.validators.ge(1)),  # type: ignore[arg-type]
-    )
-    eval_every_steps: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
-    )
-    log_interval: int = attrs.field(default=50, validator=attrs.validators.ge(1))
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    device: str | None = None
-    prefetch_to_device: bool | None = None
-    backend: str = attrs.field(default="auto", validator=_known_backend)
-    seed: int | None = None
-    deterministic: bool = False
-    workspace: str = "runs"
-    lineage: str = attrs.field(default="default", validator=rundir.folder_name)
-    run_id: str | None = attrs.field(default=None, validator=attrs.validators.optional(rundir.folder_name))
-    train: DataConfig = attrs.field(factory=DataConfig)
-    eval: DataConfig = attrs.field(factory=DataConfig)
-    predict: DataConfig = attrs.field(factory=DataConfig)
-    eval_sets: dict[str, EvalSetConfig] = attrs.field(factory=dict)
-
 
 StepFn = Callable[[torch.nn.Module, Any], Any]
 HookFn = TypeVar("HookFn", bound=Callable[..., Any])
@@ -171,6 +91,14 @@ class Engine:
         5
     """
 
+    batch = ContextField[Any]()
+    outputs = ContextField[Any]()
+    loss = ContextField[torch.Tensor | None]()
+    batch_metrics = ContextField[Mapping[str, Any]]()
+    batch_indices = ContextField[list[int] | None]()
+    grad_norm = ContextField[torch.Tensor | None]()
+    logged = ContextField[dict[str, float]]()
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -192,7 +120,7 @@ class Engine:
         run_config: Any = None,
         **overrides: Any,
     ) -> None:
-        self.config = _build_config(config, overrides, backend)
+        self.config = build_config(config, overrides, backend)
         self._run_config = run_config
         optimizers, schedulers = _as_list(optimizer), _as_list(scheduler)
         # Everything that can be checked is checked here, before the backend
@@ -210,30 +138,16 @@ class Engine:
         self.state = State()
         self.requests: Requests = self.state.requests
         self.metrics = MetricStore()
-        self.logged: dict[str, float] = {}
+        #: The values of the batch being run; `engine.batch`, `.outputs`, `.loss`, ... are its fields.
+        self.context = StepContext()
         self.eval_results: dict[str, dict[str, float]] = {}
         #: Each split's metric values as computed (tensors of any shape: a confusion matrix), by `split.name`.
         self.metric_values: dict[str, dict[str, Any]] = {}
-        #: During predict(): the dataset indices of the samples in `engine.batch` (None when unknown).
-        self.batch_indices: list[int] | None = None
         self.eval_metrics = MetricSet(metrics, metric_inputs) if metrics is not None else None
-        eval_sets = _eval_sets(eval_data)  # checked before any process group starts
-        for data in eval_sets.values():
-            checks.check_data("eval", data, self.config.eval)
-        unknown = sorted(set(self.config.eval_sets) - set(eval_sets))
-        if unknown:
-            raise ValueError(
-                f"config eval_sets.{unknown[0]}: eval_data has no split {unknown[0]!r} (it has {sorted(eval_sets)}); "
-                "name the sets alike in eval_data={...} and the config"
-            )
+        eval_sets = sources.eval_sets(eval_data)
+        sources.check_eval_sets(self.config, eval_sets)  # before any process group starts
         #: Runs evaluate() and predict() (`cadence.engine.evaluator`).
         self.evaluator = Evaluator(self, metric_inputs_given=metric_inputs is not None)
-        self.batch: Any = None
-        self.outputs: Any = None
-        self.batch_metrics: Mapping[str, Any] = {}
-        self.loss: torch.Tensor | None = None
-        #: The step's pre-clip total gradient norm, on the device, when a callback computed it (`GradClip`).
-        self.grad_norm: torch.Tensor | None = None
         self.exception: BaseException | None = None
         #: The event bus: registered callbacks in their order, and `bus.fire(event)`, the one dispatch.
         self.bus = EventBus(self)
@@ -251,9 +165,8 @@ class Engine:
         self.long_operation_time = 0.0
         self.fit_target: tuple[float, float] = (math.inf, math.inf)
         self.restored_from: str | None = None  # the checkpoint the state was last restored from
-        self.data: dict[str, DataSource] = {}
-        #: The evaluation sets' split names, in the order they are evaluated.
-        self.eval_splits: tuple[str, ...] = ()
+        #: The data by split (`engine.data["train"]`), each a `DataSource` on this process's data shard.
+        self.data = sources.DataSources(self)
         # Callbacks are built and ordered (config errors, duplicate keys, cycles) before the backend starts.
         for callback in callbacks:
             self.add_callback(callback)
@@ -265,9 +178,10 @@ class Engine:
         stepping = self.callbacks.find(scheduler_callback)
         if self.schedulers and not (stepping is not None and stepping.steps_engine_schedulers):
             self.add_callback(scheduler_callback())
+        self.add_callback(rundir.RunRecorder())  # records attempts.jsonl once the run directory is open
         if self.config.deterministic:  # before the backend touches CUDA
             rundir.enable_determinism()
-        self.backend = _make_backend(backend if backend is not None else self.config.backend, self.config)
+        self.backend = make_backend(backend if backend is not None else self.config.backend, self.config)
         try:
             self.backend.setup(self)
             self._seed_given = self.config.seed  # a drawn seed is not part of the run's identity
@@ -278,12 +192,9 @@ class Engine:
             seed_everything(self.seed + self.backend.rank)
             if self.eval_metrics is not None:
                 self.eval_metrics.bind(self.backend)
-            for split, data in (("train", train_data), ("predict", predict_data)):
+            for split, data in (("train", train_data), ("predict", predict_data), *eval_sets.items()):
                 if data is not None:
-                    self.data[split] = self._data_source(data, getattr(self.config, split), split)
-            for split, data in eval_sets.items():
-                self.data[split] = self._data_source(data, self._eval_loader_config(split), split)
-            self.eval_splits = tuple(eval_sets)
+                    self.data.add(split, data)
         except BaseException:
             self.close()  # what setup acquired (a process group it created, DDP's wrapper) is released
             raise
@@ -360,6 +271,11 @@ class Engine:
         """True when no seed was configured and the engine drew one (`config.seed` then holds it): a drawn
         seed is not part of the run's identity (`cadence.run.rundir`), and a retry reuses the recorded one."""
         return self._seed_given is None
+
+    @property
+    def eval_splits(self) -> tuple[str, ...]:
+        """The evaluation sets' split names, in the order they are evaluated."""
+        return self.data.eval_splits
 
     def hooks(self, event: Event | str) -> tuple[Callable[[Engine], None], ...]:
         """The bound hooks an event calls, in order."""
@@ -449,12 +365,11 @@ class Engine:
         restored from any step) ends at the job's step. With both, the first bound reached stops it.
         `fit(steps=100)` twice trains 200 steps; `setup()` first shows the restored `state.step`.
         """
-        self._check_budget(steps, epochs)
+        check_budget(self.config, steps, epochs)
         with self._run():  # on_setup may restore a checkpoint: targets count from there
-            stop_step, stop_epoch = self._budget(steps, epochs)
             # Absolute (step, epoch) this fit trains to (inf: unbounded); progress bars read it.
-            self.fit_target = (stop_step, stop_epoch)
-            self._fit(stop_step, stop_epoch)
+            self.fit_target = fit_target(self.config, self.state, steps, epochs)
+            self._fit(*self.fit_target)
 
     def _fit(self, stop_step: float, stop_epoch: float) -> None:
         """The loop of `Event`'s docstring, one line per event.
@@ -467,7 +382,7 @@ class Engine:
         state, requests, feed = self.state, self.requests, self.feed
         step, placement = self._build_step()
         agreement = agreements.choose(self)  # none, inline, blocking or overlapped: decided once per fit
-        source, accum, stop = self._train_source(), self.config.grad_accum, requests.index["stop"]
+        source, accum, stop = self.data.train(), self.config.grad_accum, requests.index["stop"]
         first_step = state.step
         requests.clear_agreed()
         requests.in_step = False
@@ -488,7 +403,7 @@ class Engine:
                 self._count_step(micro_batches)
                 self.fire(Event.ON_STEP_END)
                 self._log_due()  # on_log
-                self._evaluate_due(self._eval_schedule("steps"), state.step)
+                self.evaluator.after_step()  # each evaluation set due
                 self.fire(Event.ON_SAVE_POINT)  # checkpoint, preemption
                 if requests.agreed[stop] or state.step >= stop_step:
                     break
@@ -541,12 +456,7 @@ class Engine:
     def _end_epoch(self) -> None:
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
-        # A set that its step schedule evaluated at this very step (the epoch's last) is not evaluated
-        # again on the same weights: EarlyStopping's patience and a plateau scheduler count each once.
-        # Read from the schedule, not remembered, so a run resumed from that step decides the same.
-        evaluated = {split for split, every in self._eval_schedule("steps") if self.state.step % every == 0}
-        due = tuple((split, every) for split, every in self._eval_schedule("epochs") if split not in evaluated)
-        self._evaluate_due(due, self.state.epoch)
+        self.evaluator.after_epoch()
         self.fire(Event.ON_EPOCH_END)
         # Requests raised at epoch end (early stopping after evaluation) are agreed here: stop before another epoch.
         stop = self.requests.index["stop"]
@@ -558,27 +468,6 @@ class Engine:
         # After the agreement: a save requested at epoch end is taken here, and
         # a checkpoint holds the state an uninterrupted run goes on from.
         self.fire(Event.ON_SAVE_POINT)
-
-    def _eval_schedule(self, unit: Literal["steps", "epochs"]) -> tuple[tuple[str, int], ...]:
-        """(split, every) of the sets evaluated every N steps or epochs."""
-        default = self.config.eval_every_steps if unit == "steps" else self.config.eval_every_epochs
-        schedule = []
-        for split in self.eval_splits:
-            own = self.config.eval_sets.get(split)
-            every = getattr(own, f"every_{unit}") if own is not None else None
-            every = default if every is None else every
-            if every:
-                schedule.append((split, every))
-        return tuple(schedule)
-
-    def _evaluate_due(self, schedule: tuple[tuple[str, int], ...], count: int) -> None:
-        for split, every in schedule:
-            if count % every == 0:
-                self.evaluate(split=split)
-
-    def _eval_loader_config(self, split: str) -> DataConfig:
-        own = self.config.eval_sets.get(split)
-        return own.data if own is not None and own.data is not None else self.config.eval
 
     def _log_metrics(self) -> None:
         self.metrics.collect()  # values callbacks aggregate themselves (TrainMetrics)
@@ -607,7 +496,7 @@ class Engine:
                 results.update(self.evaluate(split=each))
             return results
         split = split_name("val" if split is None else split)
-        source = self._eval_source(data, split)
+        source = self.data.evaluation(data, split)
         with self._run():
             return self.evaluator.evaluate(source, split)
 
@@ -626,7 +515,7 @@ class Engine:
         has outputs: the other stages return an empty list (`engine.outputs` is
         None there in on_predict_batch).
         """
-        source = self._source(data, "predict")
+        source = self.data.predict(data)
         with self._run():
             return self.evaluator.predict(source, gather)
 
@@ -683,92 +572,8 @@ class Engine:
     # -- the forward pass ----------------------------------------------------
 
     def compute_loss(self, batch: Any) -> tuple[Any, torch.Tensor]:
-        """Forward one batch; returns `(outputs, loss)`. Runs under autocast."""
-        model = self.wrapped_model
-        if self.step_fn is not None:
-            result = self.step_fn(model, batch)
-            return result, _loss_of(result, "step_fn")
-        if self.loss_fn is not None:
-            if type(batch) is tuple and len(batch) == 2:
-                inputs, targets = batch
-            else:
-                inputs, targets = _split_batch(batch)
-            outputs = model(inputs)
-            return outputs, self.loss_fn(outputs, targets)
-        try:
-            outputs = model(batch)
-        except TypeError as exc:
-            if isinstance(batch, (tuple, list)) and len(batch) == 2:
-                raise TypeError(
-                    f"without loss_fn or step_fn the model is called on the whole batch, here a {type(batch).__name__} "
-                    f"of 2 (inputs and targets?), and raised: {exc}. Pass loss_fn= (e.g. torch.nn.functional."
-                    "cross_entropy) for (inputs, targets) batches, or step_fn= for others"
-                ) from exc
-            raise
-        return outputs, _loss_of(outputs, "the model")
-
-    # -- plumbing -------------------------------------------------------------
-
-    def _check_budget(self, steps: int | None, epochs: int | None) -> None:
-        for name, value in (("steps", steps), ("epochs", epochs)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(f"fit({name}=...) must be an int >= 0, got {value!r}")
-        if steps is None and epochs is None and self.config.steps is None and self.config.epochs is None:
-            raise ValueError("nothing to fit: pass fit(steps=...) or fit(epochs=...), or set config steps / epochs")
-
-    def _budget(self, steps: int | None, epochs: int | None) -> tuple[float, float]:
-        if steps is not None or epochs is not None:
-            return (
-                self.state.step + steps if steps is not None else math.inf,
-                self.state.epoch + epochs if epochs is not None else math.inf,
-            )
-        return (
-            self.config.steps if self.config.steps is not None else math.inf,
-            self.config.epochs if self.config.epochs is not None else math.inf,
-        )
-
-    def _data_source(self, data: Any, config: DataConfig, split: str) -> DataSource:
-        if split == "train" and config.shuffle is None:
-            config = attrs.evolve(config, shuffle=True)
-        device = self.backend.device
-        data_rank, data_size = self.backend.data_shard(split)
-        checks.warn_unsharded(split, data, data_size)
-        return DataSource(
-            data,
-            config,
-            split=split,
-            seed=self.seed,
-            data_rank=data_rank,
-            data_size=data_size,
-            pin_memory_device=device.type if device.type != "cpu" else "",
-        )
-
-    def _train_source(self) -> DataSource:
-        if "train" not in self.data:
-            raise ValueError("fit() needs train_data: pass it to Engine(...)")
-        if not self.optimizers:
-            raise ValueError("fit() needs an optimizer: pass it to Engine(...)")
-        source = self.data["train"]
-        checks.check_one_shot(source.loader, self.fit_target[1] - self.state.epoch)
-        return source
-
-    def _source(self, data: Any, split: str) -> DataSource:
-        if data is not None:
-            return self._data_source(data, getattr(self.config, split), split)
-        if split not in self.data:
-            raise ValueError(f"no {split} data: pass {split}_data to Engine(...) or data to this call")
-        return self.data[split]
-
-    def _eval_source(self, data: Any, split: str) -> DataSource:
-        if data is not None:
-            return self._data_source(data, self._eval_loader_config(split), split)
-        if split in self.eval_splits:
-            return self.data[split]
-        if not self.eval_splits:
-            raise ValueError("no eval data: pass eval_data to Engine(...) or data to this call")
-        if len(self.eval_splits) == 1:  # the one set, its results named `split`
-            return self.data[self.eval_splits[0]]
-        raise ValueError(f"no evaluation set {split!r}: the engine has {list(self.eval_splits)}")
+        """Forward one batch; returns `(outputs, loss)` (`cadence.engine.forward`). The step runs it under autocast."""
+        return forward.compute_loss(self.wrapped_model, batch, self.step_fn, self.loss_fn)
 
     def state_dict(self) -> dict[str, Any]:
         """The engine's counters (with the last loss as a float)."""
@@ -780,85 +585,9 @@ class Engine:
         return f"Engine(step={self.state.step}, epoch={self.state.epoch}, backend={self.backend.describe()}, callbacks={len(self.callbacks)})"
 
 
-def _build_config(config: Any, overrides: dict[str, Any], backend: Any) -> EngineConfig:
-    if config is None:
-        data: dict[str, Any] = {}
-    elif isinstance(config, EngineConfig):
-        data = config_module.unstructure(config)
-    elif isinstance(config, Mapping):
-        data = dict(config)
-    else:
-        raise TypeError(f"config must be an EngineConfig or a mapping, got {type(config).__name__}")
-    checks.check_keywords(overrides, [a.name for a in attrs.fields(EngineConfig)])
-    data = config_module.merge(data, {k: _plain(v) for k, v in overrides.items()})
-    if isinstance(backend, str):
-        data["backend"] = backend
-    return config_module.structure(EngineConfig, data)
-
-
-def _plain(value: Any) -> Any:
-    return config_module.unstructure(value) if attrs.has(type(value)) else value
-
-
-def _make_backend(backend: Backend | str, config: EngineConfig) -> Backend:
-    if isinstance(backend, Backend):
-        return backend
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a Backend or a name, got {type(backend).__name__}")
-    name = backend
-    if name == "auto":
-        import os
-
-        name = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "local"
-    cls = registry.backends.resolve(name)
-    return cls.from_engine_config(config) if hasattr(cls, "from_engine_config") else cls()
-
-
-def _eval_sets(eval_data: Any) -> dict[str, Any]:
-    """`{split: data}` from `eval_data`: data alone is the `val` split."""
-    if eval_data is None:
-        return {}
-    if isinstance(eval_data, Mapping):
-        sets = {split_name(split): data for split, data in eval_data.items()}
-        missing = [split for split, data in sets.items() if data is None]
-        if missing:
-            raise ValueError(f"eval_data: no data for split(s) {missing}")
-        return sets
-    return {"val": eval_data}
-
-
 def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
-
-
-def _split_batch(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, Mapping):
-        raise TypeError("loss_fn expects batches (inputs, targets); for mapping batches use step_fn")
-    try:
-        inputs, targets = batch
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"loss_fn expects batches of (inputs, targets), got {type(batch).__name__}; use step_fn for other batches"
-        ) from None
-    return inputs, targets
-
-
-def _loss_of(result: Any, where: str) -> torch.Tensor:
-    loss: Any
-    if isinstance(result, torch.Tensor):
-        loss = result
-    elif isinstance(result, Mapping) and "loss" in result:
-        loss = result["loss"]
-    else:
-        loss = getattr(result, "loss", None)
-    if not isinstance(loss, torch.Tensor) or loss.ndim:
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(result).__name__
-        raise TypeError(
-            f"{where} must return the loss as a scalar tensor, or a mapping/object with a scalar 'loss'; got {got}"
-            " (pass loss_fn= for (inputs, targets) batches)"
-        )
-    return loss

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -37,6 +37,39 @@ class Evaluator:
     def __init__(self, engine: Engine, metric_inputs_given: bool) -> None:
         self.engine = engine
         self.metric_inputs_given = metric_inputs_given
+
+    def schedule(self, unit: Literal["steps", "epochs"]) -> tuple[tuple[str, int], ...]:
+        """(split, every) of the sets evaluated every N steps or epochs (`EngineConfig.eval_sets`, else
+        `eval_every_steps` / `eval_every_epochs`)."""
+        config = self.engine.config
+        default = config.eval_every_steps if unit == "steps" else config.eval_every_epochs
+        schedule = []
+        for split in self.engine.data.eval_splits:
+            own = config.eval_sets.get(split)
+            every = getattr(own, f"every_{unit}") if own is not None else None
+            every = default if every is None else every
+            if every:
+                schedule.append((split, every))
+        return tuple(schedule)
+
+    def evaluate_due(self, schedule: tuple[tuple[str, int], ...], count: int) -> None:
+        """Evaluate each set of `schedule` whose interval divides `count` (the step, or the epoch)."""
+        for split, every in schedule:
+            if count % every == 0:
+                self.engine.evaluate(split=split)
+
+    def after_step(self) -> None:
+        """The sets due at this step (`eval_every_steps`)."""
+        self.evaluate_due(self.schedule("steps"), self.engine.state.step)
+
+    def after_epoch(self) -> None:
+        """The sets due at this epoch's end (`eval_every_epochs`), unless their step schedule evaluated them at
+        this very step (the epoch's last): EarlyStopping's patience and a plateau scheduler count each once.
+        Read from the schedule, not remembered, so a run resumed from that step decides the same."""
+        state = self.engine.state
+        evaluated = {split for split, every in self.schedule("steps") if state.step % every == 0}
+        due = tuple((split, every) for split, every in self.schedule("epochs") if split not in evaluated)
+        self.evaluate_due(due, state.epoch)
 
     def evaluate(self, source: DataSource, split: str) -> dict[str, float]:
         """One evaluation set: on_eval_start, on_eval_batch per batch, on_log, on_eval_end; returns its results."""

@@ -88,20 +88,22 @@ class Step:
         if self.schedule is not None:
             self.schedule(engine, batches)
             return
-        n = len(batches)
+        n, context = len(batches), engine.context
         for i, batch in enumerate(batches, 1):
-            engine.batch = self.place(batch)
-            engine.fire(Event.ON_BATCH)
+            context.batch = self.place(batch)
+            engine.fire(Event.ON_BATCH)  # a callback may replace context.batch
             self.gradient_sync(i == n)
-            self.forward_backward(engine, engine.batch, n)
+            self.forward_backward(engine, context.batch, n)
 
     def forward_backward(self, engine: Engine, batch: Any, micro_batches: int) -> None:
-        """One micro-batch: forward under autocast, on_forward, backward, on_backward."""
-        engine.outputs = None  # the last forward's outputs (a language model's logits) do not live through this one
+        """One micro-batch: forward under autocast, on_forward, backward, on_backward (the step context's
+        `outputs` and `loss` are set before on_forward, which may replace the loss)."""
+        context = engine.context
+        context.outputs = None  # the last forward's outputs (a language model's logits) do not live through this one
         with self.autocast:
-            engine.outputs, engine.loss = engine.compute_loss(batch)
+            context.outputs, context.loss = engine.compute_loss(batch)
         engine.fire(Event.ON_FORWARD)
-        self.backward(engine.loss, micro_batches)
+        self.backward(context.loss, micro_batches)  # type: ignore[arg-type]  # set just above, or by on_forward
         engine.fire(Event.ON_BACKWARD)
 
     def finish(self, engine: Engine) -> None:

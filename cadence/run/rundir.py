@@ -27,14 +27,11 @@ workspace.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,108 +44,20 @@ from cadence.engine.order import Order
 from cadence.run import config as config_module
 from cadence.run import lease
 from cadence.run.determinism import enable_determinism as enable_determinism
+from cadence.run.git import CODE_DIR_ENV as CODE_DIR_ENV
+from cadence.run.git import GitInfo as GitInfo
+from cadence.run.git import code_directory
+from cadence.run.git import git_info as git_info
 
 if TYPE_CHECKING:
     from cadence.engine.engine import Engine
 
 logger = logging.getLogger("cadence")
 
-CODE_DIR_ENV = "CADENCE_CODE_DIR"
-"""Environment variable naming the directory whose git repository is the run's code (default: cwd)."""
-SHORT_SHA_LENGTH = 7  # fixed, unlike `git rev-parse --short`, so a commit's code_id never changes
 METADATA = "metadata"
 ATTEMPTS_FILE = "attempts.jsonl"
 RUN_FILE = "run.yaml"
 _PLACEMENT_FIELDS = ("workspace", "lineage", "run_id")
-
-
-# --- the code: git --------------------------------------------------------------------------
-
-
-@attrs.frozen
-class GitInfo:
-    """The state of the git repository holding the code being run."""
-
-    root: str
-    sha: str
-    branch: str | None
-    remote: str | None
-    commit_time: str
-    diff: bytes = attrs.field(repr=False)
-    untracked: tuple[str, ...] = ()
-
-    @property
-    def dirty(self) -> bool:
-        """Tracked files differ from HEAD (staged or not); untracked files do not count."""
-        return bool(self.diff)
-
-    @property
-    def code_id(self) -> str:
-        short = self.sha[:SHORT_SHA_LENGTH]
-        return f"{short}-d{hashlib.sha256(self.diff).hexdigest()[:10]}" if self.diff else short
-
-    def to_yaml_dict(self, timestamp: str) -> dict[str, Any]:
-        return {
-            "available": True, "code_id": self.code_id, "sha": self.sha, "branch": self.branch,
-            "remote": self.remote, "dirty": self.dirty, "commit_time": self.commit_time,
-            "diff_sha256": hashlib.sha256(self.diff).hexdigest() if self.diff else None,
-            "untracked_files": len(self.untracked), "untracked": list(self.untracked[:100]),
-            "root": self.root, "timestamp": timestamp,
-        }  # fmt: skip
-
-
-def code_directory() -> Path:
-    """Where the run's code is looked for: `$CADENCE_CODE_DIR`, else the current directory."""
-    return Path(os.environ.get(CODE_DIR_ENV) or os.getcwd())
-
-
-def _git(args: list[str], cwd: Path) -> bytes | None:
-    # No optional locks: reading the status must not take index.lock from the user's own git.
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C", "GIT_TERMINAL_PROMPT": "0"}
-    try:
-        done = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
-def _public_url(url: str) -> str:
-    """A remote URL without credentials (`https://token@host/x` -> `https://host/x`)."""
-    return re.sub(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", r"\1", url, flags=re.IGNORECASE)
-
-
-def git_info(directory: str | os.PathLike[str] | None = None) -> GitInfo | None:
-    """Git metadata of the repository containing `directory` (default `code_directory()`).
-
-    Returns None outside a repository, in one without commits, or without `git`.
-
-    Example:
-        >>> info = git_info(".")
-        >>> info is None or len(info.sha) == 40
-        True
-    """
-    where = Path(directory) if directory is not None else code_directory()
-    if not where.is_dir() or (root := _git(["rev-parse", "--show-toplevel"], where)) is None:
-        return None
-    head = _git(["-c", "log.showSignature=false", "log", "-1", "--format=%H%n%cI"], where)
-    if head is None:  # a repository without commits
-        return None
-    sha, commit_time = head.decode().split("\n")[:2]
-    branch = _git(["symbolic-ref", "-q", "--short", "HEAD"], where)
-    remotes = {}
-    for line in (_git(["config", "--get-regexp", r"^remote\..*\.url$"], where) or b"").decode().splitlines():
-        key, _, url = line.partition(" ")  # remote.<name>.url <url>
-        remotes[key[len("remote.") : -len(".url")]] = url
-    remote = remotes.get("origin") or next(iter(remotes.values()), None)
-    # Fixed diff options so the user's git config (external diff, prefixes, renames) cannot change the hash.
-    diff_args = ["-c", "core.quotepath=off", "diff", "--no-color", "--no-ext-diff", "--no-renames", "--binary"]
-    diff = _git([*diff_args, "--src-prefix=a/", "--dst-prefix=b/", "HEAD"], where) or b""
-    untracked = (_git(["ls-files", "--others", "--exclude-standard", "-z"], where) or b"").decode(errors="replace")
-    return GitInfo(
-        root=root.decode().strip(), sha=sha.strip(), branch=branch.decode().strip() if branch else None,
-        remote=_public_url(remote) if remote else None, commit_time=commit_time.strip(), diff=diff,
-        untracked=tuple(sorted(name for name in untracked.split("\0") if name)),
-    )  # fmt: skip
 
 
 # --- the config: identity and ids -------------------------------------------------------------
@@ -343,7 +252,7 @@ def write_metadata(engine: Engine, info: RunInfo) -> None:
 
 def open_run_dir(engine: Engine) -> Path:
     """Resolve the run directory and, on the main process, create it, write its metadata and
-    start recording this attempt (`RunRecorder`). Returns the path on every rank."""
+    start recording this attempt (the engine's `RunRecorder`). Returns the path on every rank."""
     info = engine.run_info
     if engine.backend.is_main:
         try:
@@ -354,9 +263,9 @@ def open_run_dir(engine: Engine) -> Path:
                 f"cannot write the run directory {info.path}: {exc.strerror or exc}; "
                 "point EngineConfig.workspace (workspace=...) at a writable folder"
             ) from exc
-        recorder = RunRecorder()
-        engine.add_callback(recorder)
-        recorder.record(engine, "running" if engine.running else "created")
+        recorder = engine.callbacks.find(RunRecorder)
+        if recorder is not None:
+            recorder.start(engine)
     return info.path
 
 
@@ -397,9 +306,13 @@ class RunRecorder(Callback):
 
     States: `created` (the run directory was opened outside a run), `running`
     (fit started, or a checkpoint was saved), `finished`, `failed` (with the
-    error), `preempted`. Registered by `open_run_dir`; it only listens to
-    fit start, save, exception and teardown, never to per-step events.
-    Order: just before `Order.PREEMPTION`, whose teardown may end the process.
+    error), `preempted`. Every engine registers one when it is built; it
+    records nothing until `open_run_dir` starts it on the main process (an
+    engine that never opens its run directory writes none), and a `running`
+    record that repeats the last one at the same step is not written. It only
+    listens to fit start, save, exception and teardown, never to per-step
+    events. Order: just before `Order.PREEMPTION`, whose teardown may end the
+    process.
     """
 
     order = Order.PREEMPTION - 1
@@ -408,12 +321,23 @@ class RunRecorder(Callback):
     def __init__(self) -> None:
         self.state_key = "cadence.RunRecorder"
         self.last: str | None = None
+        self.last_step = -1
+        self.started = False
         self.preempted = False
 
+    def start(self, engine: Engine) -> None:
+        """Begin recording (the run directory is open): `running` inside a run, else `created`."""
+        self.started = True
+        self.record(engine, "running" if engine.running else "created")
+
     def record(self, engine: Engine, state: str, **extra: Any) -> None:
+        """Append one record of `state` (a no-op before `start`, or for a `running` that repeats the last)."""
+        step = engine.state.step
+        if not self.started or (state == "running" == self.last and step == self.last_step):
+            return
         info = engine.run_info
         line = {
-            "attempt": info.timestamp, "state": state, "time": _now(), "step": engine.state.step,
+            "attempt": info.timestamp, "state": state, "time": _now(), "step": step,
             "epoch": engine.state.epoch, "host": socket.gethostname(), "pid": os.getpid(),
             "world_size": engine.backend.world_size, **extra,
         }  # fmt: skip
@@ -427,7 +351,7 @@ class RunRecorder(Callback):
                 file.write(json.dumps(line, default=str) + "\n")
         except OSError as exc:  # a full or vanished disk must not stop training: the record is a courtesy
             logger.warning("run %s: cannot append to %s: %s", info.run_id, ATTEMPTS_FILE, exc)
-        self.last = state
+        self.last, self.last_step = state, step
 
     def on_fit_start(self, engine: Engine) -> None:
         self.record(engine, "running")

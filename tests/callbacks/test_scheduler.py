@@ -46,7 +46,7 @@ def test_step_interval_matches_hand_loop_and_engine_registers_it():
     model, opt = make()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     engine = cadence.Engine(model, opt, batches, loss_fn=F.cross_entropy, scheduler=sched, seed=0, device="cpu")
-    assert [type(c).__name__ for c in engine.callbacks] == ["LRScheduler"]
+    assert [type(c).__name__ for c in engine.callbacks] == ["LRScheduler", "RunRecorder"]
     trace = lr_trace(engine)
     engine.fit(epochs=1)
 
@@ -156,7 +156,7 @@ def test_user_registered_lrscheduler_replaces_the_automatic_one():
         callbacks=[LRScheduler(interval="epoch")],
         device="cpu",
     )  # fmt: skip
-    assert [type(c).__name__ for c in engine.callbacks] == ["LRScheduler"]
+    assert [type(c).__name__ for c in engine.callbacks] == ["LRScheduler", "RunRecorder"]
     engine.fit(epochs=2)
     assert opt.param_groups[0]["lr"] == 0.125
 

@@ -12,6 +12,11 @@ from tests.conftest import tiny_batches, tiny_model
 pytestmark = pytest.mark.timeout(60)
 
 
+def names_of(engine):
+    """The test's own callbacks in their resolved order (the engine's RunRecorder left out)."""
+    return [c.name for c in engine.callbacks if isinstance(c, Recorder)]
+
+
 def make_engine(**kwargs):
     model = tiny_model()
     return cadence.Engine(
@@ -39,7 +44,7 @@ def test_order_then_registration_order():
     engine = make_engine(
         callbacks=[Recorder(log, "b", 60), Recorder(log, "a", 40), Recorder(log, "c", 60), Recorder(log, "z", 40)]
     )
-    assert [c.name for c in engine.callbacks] == ["a", "z", "b", "c"]
+    assert names_of(engine) == ["a", "z", "b", "c"]
     engine.fit(steps=1)
     assert log == ["a", "z", "b", "c"]
 
@@ -51,7 +56,7 @@ def test_after_and_before_constraints():
     mid = Recorder(log, "mid", 50, before=("early",))
     early = Recorder(log, "early", 20)
     engine = make_engine(callbacks=[first, last, mid, early])
-    names = [c.name for c in engine.callbacks]
+    names = names_of(engine)
     assert names.index("last") < names.index("first")
     assert names.index("mid") < names.index("early")
     engine.fit(steps=1)
@@ -64,7 +69,7 @@ def test_constraint_cycle_is_an_error_naming_the_cycle():
     with pytest.raises(OrderError, match=r"cycle: (a -> b -> a|b -> a -> b)"):
         engine.add_callback(Recorder(log, "b", after=("a",)))
     # The failed registration left the bus as it was.
-    assert [c.name for c in engine.callbacks] == ["a", "x"]
+    assert names_of(engine) == ["a", "x"]
 
 
 def test_longer_cycle_names_every_member():
@@ -80,11 +85,12 @@ def test_only_overridden_hooks_are_in_the_table():
         def on_step_end(self, engine):
             pass
 
-    engine = make_engine(callbacks=[OnlyStepEnd()])
-    assert len(engine.hooks(Event.ON_STEP_END)) == 1
+    only = OnlyStepEnd()
+    engine = make_engine(callbacks=[only])
+    assert [hook.__self__ for hook in engine.hooks(Event.ON_STEP_END)] == [only]
     for event in Event:
         if event is not Event.ON_STEP_END:
-            assert engine.hooks(event) == ()
+            assert all(getattr(hook, "__self__", None) is not only for hook in engine.hooks(event))
 
 
 def test_duplicate_state_key_is_an_error_at_registration():
@@ -101,7 +107,7 @@ def test_duplicate_state_key_is_an_error_at_registration():
     second = Stateful()
     second.state_key = "other"
     engine.add_callback(second)
-    assert len(engine.callbacks) == 2
+    assert sum(isinstance(c, Stateful) for c in engine.callbacks) == 2
 
 
 def test_state_key_keeps_a_callbacks_attributes_in_the_object():

@@ -283,7 +283,21 @@ def test_a_run_dir_opened_outside_fit_is_created_then_running(tmp_path):
     assert engine.run_dir.is_dir()
     engine.fit(steps=1)
     assert [s for s, _ in states(engine)] == ["created", "running", "finished"]
-    assert engine.callbacks[-1].state_key == "cadence.RunRecorder"  # registered with the directory
+    assert engine.callbacks[-1].state_key == "cadence.RunRecorder"  # every engine's own, registered when built
+
+
+@pytest.mark.parametrize("order", [1, 200], ids=["opened-before-the-recorder", "opened-after-the-recorder"])
+def test_the_recorder_built_with_the_engine_records_a_fit_start_once_whoever_opens_the_directory(tmp_path, order):
+    """The recorder exists from construction but writes nothing until the directory opens; a directory opened
+    in on_fit_start by a callback before or after the recorder gives one `running` record, not two."""
+    opener = OpensRunDir()
+    opener.order = order
+    engine = make_engine(tmp_path / "ws", seed=0)
+    assert engine.callbacks.find(rundir.RunRecorder) is not None
+    assert not (tmp_path / "ws").exists()  # registered, and nothing written
+    engine.add_callback(opener)
+    engine.fit(steps=2)
+    assert states(engine) == [("running", 0), ("finished", 2)]
 
 
 def _two_ranks(workspace: str):
