@@ -383,6 +383,7 @@ class Engine:
         step, placement = self._build_step()
         agreement = agreements.choose(self)  # none, inline, blocking or overlapped: decided once per fit
         source, accum, stop = self.data.train(), self.config.grad_accum, requests.index["stop"]
+        evaluations = self.evaluator.schedule("steps")  # (split, every N steps) of the evaluation sets
         first_step = state.step
         requests.clear_agreed()
         requests.in_step = False
@@ -403,7 +404,7 @@ class Engine:
                 self._count_step(micro_batches)
                 self.fire(Event.ON_STEP_END)
                 self._log_due()  # on_log
-                self.evaluator.after_step()  # each evaluation set due
+                self.evaluator.evaluate_due(evaluations, state.step)
                 self.fire(Event.ON_SAVE_POINT)  # checkpoint, preemption
                 if requests.agreed[stop] or state.step >= stop_step:
                     break

@@ -58,10 +58,6 @@ class Evaluator:
             if count % every == 0:
                 self.engine.evaluate(split=split)
 
-    def after_step(self) -> None:
-        """The sets due at this step (`eval_every_steps`)."""
-        self.evaluate_due(self.schedule("steps"), self.engine.state.step)
-
     def after_epoch(self) -> None:
         """The sets due at this epoch's end (`eval_every_epochs`), unless their step schedule evaluated them at
         this very step (the epoch's last): EarlyStopping's patience and a plateau scheduler count each once.
