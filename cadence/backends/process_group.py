@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch.distributed as dist
 
+from cadence.backends.attempt_store import attempt_store, shares_agent_store
 from cadence.backends.device import resolve_device
 from cadence.backends.flight_recorder import DEFAULT_ENTRIES, FlightRecorder
 from cadence.engine.callback import Callback
@@ -108,7 +109,9 @@ class GroupSettings:
 def start_group(group_backend: str, settings: GroupSettings, device: str | None) -> FlightRecorder:
     """`init_process_group` from the launcher's environment, the flight recorder on before it; returns the recorder.
 
-    `device` is the backend's requested device (`cadence.backends.device.resolve_device`).
+    `device` is the backend's requested device (`cadence.backends.device.resolve_device`). Under torchrun's
+    shared store the group's keys go under a prefix fresh for this attempt (`cadence.backends.attempt_store`):
+    a restart would otherwise read the failed attempt's addresses.
     """
     missing = [name for name in REQUIRED_ENV if name not in os.environ]
     if missing:
@@ -122,6 +125,9 @@ def start_group(group_backend: str, settings: GroupSettings, device: str | None)
     resolved = resolve_device(device, process_group=group_backend)
     if group_backend == "nccl" and resolved.type == "cuda":  # bound to this rank's GPU: NCCL starts eagerly on it
         kwargs["device_id"] = resolved
+    if shares_agent_store():
+        kwargs["rank"], kwargs["world_size"] = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        kwargs["store"] = attempt_store(kwargs["rank"], kwargs["world_size"], settings.first_timeout)
     dist.init_process_group(group_backend, timeout=settings.first_timeout, **kwargs)
     return recorder
 
