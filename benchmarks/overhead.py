@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py            # full run (10-14 minutes)
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
+    python benchmarks/overhead.py --workloads W2   # W2 only: bare Cadence against the raw loop (a few minutes)
     python benchmarks/overhead.py --sinks-only --repeats 11   # W1: bare Cadence and the default sinks (pipe, file, terminal)
     python benchmarks/overhead.py --instructions   # W1: instructions per step, counted by valgrind (5-10 minutes)
     python benchmarks/overhead.py --bytecodes      # W1: Python bytecodes per step, by function (1 minute)
@@ -656,6 +657,9 @@ def main() -> None:
         default=5,
         help="--sinks-only: steady-state processes per output (pipe, file, terminal)",
     )
+    parser.add_argument(
+        "--workloads", default="W1,W2", help="the workloads of a full run, comma-separated (W2: just W2, a few minutes)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="W1", help=argparse.SUPPRESS)
     parser.add_argument("--callbacks", type=int, default=0, help=argparse.SUPPRESS)
@@ -682,7 +686,10 @@ def main() -> None:
             print(f"  {label:24} {counts[kind]:12,.0f}  {counts[kind] / raw:.4f}  (+{counts[kind] - raw:,.0f})")
         return
     repeats = 3 if args.quick and not args.smoke else args.repeats
-    workloads = ["W1"] if args.quick or args.sinks_only else ["W1", "W2"]
+    workloads = ["W1"] if args.quick or args.sinks_only else args.workloads.split(",")
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"--workloads: no workload {unknown} (there are {sorted(WORKLOADS)})")
     rows = []
     for workload in workloads:
         variants = [("cadence", 0)]
@@ -735,6 +742,9 @@ def main() -> None:
     if args.sinks_only:
         print(f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal)")
         steady_state(rounds=30 if args.quick else 120, processes=2 if args.quick else args.processes)
+        return
+    if "W1" not in workloads:  # the callbacks' and the import's figures are W1's
+        print(f"({repeats} alternated runs per variant, fresh process each, 1 thread; parameters checked equal)")
         return
     rounds = 2 if args.smoke else 20 if args.quick else 80
     blocks = run_blocks(100, rounds)
