@@ -387,25 +387,25 @@ class Engine:
         first_step = state.step
         requests.clear_agreed()
         requests.in_step = False
-        self.fire(Event.ON_FIT_START)
+        self.bus.fire(Event.ON_FIT_START)
         while state.step < stop_step and state.epoch < stop_epoch and not requests.agreed[stop]:
             if state.batch_in_epoch == 0:
-                self.fire(Event.ON_EPOCH_START)
+                self.bus.fire(Event.ON_EPOCH_START)
             for micro_batches in placement.steps(feed.steps(source, state, accum)):
-                self.fire(Event.ON_STEP_START)
+                self.bus.fire(Event.ON_STEP_START)
                 agreement.send(requests)
                 step.micro_batches(self, micro_batches)  # on_batch, forward, on_forward, backward, on_backward
                 step.finish(self)  # gradients final: synced, unscaled
-                self.fire(Event.ON_BEFORE_OPTIMIZER_STEP)
+                self.bus.fire(Event.ON_BEFORE_OPTIMIZER_STEP)
                 agreement.take(requests)
                 if step.apply_update(requests):
-                    self.fire(Event.ON_OPTIMIZER_STEP)
+                    self.bus.fire(Event.ON_OPTIMIZER_STEP)
                 step.zero_grad()
                 self._count_step(micro_batches)
-                self.fire(Event.ON_STEP_END)
+                self.bus.fire(Event.ON_STEP_END)
                 self._log_due()  # on_log
                 self.evaluator.evaluate_due(evaluations, state.step)
-                self.fire(Event.ON_SAVE_POINT)  # checkpoint, preemption
+                self.bus.fire(Event.ON_SAVE_POINT)  # checkpoint, preemption
                 if requests.agreed[stop] or state.step >= stop_step:
                     break
             if feed.epoch_over(source, state, accum):
@@ -413,7 +413,7 @@ class Engine:
         if state.step % self.config.log_interval and state.step > first_step:
             self._log_metrics()  # the steps since the last interval: every fit ends logged
         requests.closed = False  # requests raised at the fit's end wait for the next fit's agreement
-        self.fire(Event.ON_FIT_END)
+        self.bus.fire(Event.ON_FIT_END)
 
     def _build_step(self) -> tuple[Step, Placement]:
         """This fit's step (`Backend.build_step`) and the placement of its micro-batches.
@@ -443,7 +443,8 @@ class Engine:
             self._log_metrics()
 
     def fire(self, event: Event) -> None:
-        """Call every hook of `event`, in the callbacks' order (`EventBus.fire`)."""
+        """Call every hook of `event`, in the callbacks' order: `EventBus.fire`, which the loop calls itself
+        (`self.bus.fire`): one hop a code viewer follows, and one Python call fewer per event."""
         self.bus.fire(event)
 
     def instrument(self, make_context: Callable[[Event], Any] | None) -> None:
@@ -458,7 +459,7 @@ class Engine:
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
         self.evaluator.after_epoch()
-        self.fire(Event.ON_EPOCH_END)
+        self.bus.fire(Event.ON_EPOCH_END)
         # Requests raised at epoch end (early stopping after evaluation) are agreed here: stop before another epoch.
         stop = self.requests.index["stop"]
         stopping = self.requests.agreed[stop]
@@ -468,13 +469,13 @@ class Engine:
             self.requests.any_agreed = True
         # After the agreement: a save requested at epoch end is taken here, and
         # a checkpoint holds the state an uninterrupted run goes on from.
-        self.fire(Event.ON_SAVE_POINT)
+        self.bus.fire(Event.ON_SAVE_POINT)
 
     def _log_metrics(self) -> None:
         self.metrics.collect()  # values callbacks aggregate themselves (TrainMetrics)
         if self.metrics:
             self.logged = self.metrics.compute(self.backend)
-            self.fire(Event.ON_LOG)
+            self.bus.fire(Event.ON_LOG)
 
     def evaluate(self, data: Any = None, split: str | None = None) -> dict[str, float]:
         """Evaluate on `data` or an evaluation set; returns `{split.name: value}`.
@@ -525,7 +526,7 @@ class Engine:
         checks.check_order_targets(self.callbacks, callback_key)
         if not self._setup_done:
             self._setup_done = True
-            self.fire(Event.ON_SETUP)
+            self.bus.fire(Event.ON_SETUP)
 
     @contextlib.contextmanager
     def _run(self) -> Iterator[None]:

@@ -79,7 +79,7 @@ class Evaluator:
             try:
                 if metrics is not None:
                     metrics.reset()  # what a previous evaluation or a failed one left
-                engine.fire(Event.ON_EVAL_START)
+                engine.bus.fire(Event.ON_EVAL_START)
                 if staged is not None:
                     store.declare(f"{split}.loss")  # ranks without the loss (pipeline stages) take part
                 batches = self.lockstep(source.epoch_iter(0, fresh=True), source, staged, True, split)
@@ -98,7 +98,7 @@ class Evaluator:
                     for name, value in means.items():
                         store.log(f"{split}.{name}", value, "mean", weight)
                     engine.batch_metrics = means
-                    engine.fire(Event.ON_EVAL_BATCH)
+                    engine.bus.fire(Event.ON_EVAL_BATCH)
                 results = store.compute(backend)
                 if metrics is not None:
                     values = {f"{split}.{name}": value for name, value in metrics.compute(where).items()}
@@ -117,8 +117,8 @@ class Evaluator:
                 engine.metric_sink, engine.metric_prefix = engine.metrics, ""
             engine.eval_results[split] = results
             engine.logged = dict(results)
-            engine.fire(Event.ON_LOG)
-            engine.fire(Event.ON_EVAL_END)
+            engine.bus.fire(Event.ON_LOG)
+            engine.bus.fire(Event.ON_EVAL_END)
         return results
 
     def update_metrics(self, metrics: MetricSet, outputs: Any, where: str) -> None:
@@ -136,7 +136,7 @@ class Evaluator:
         result: Any = outputs
         with torch.no_grad(), restore_training_mode(engine.model, False), engine.backend.evaluation(engine):
             staged = engine.backend.eval_forward(engine)  # None: the model's own forward
-            engine.fire(Event.ON_PREDICT_START)
+            engine.bus.fire(Event.ON_PREDICT_START)
             batches = self.lockstep(source.epoch_iter(0, fresh=True), source, staged, False, "predict")
             indices, seen = source.sample_indices(), 0
             for batch in batches:
@@ -146,18 +146,18 @@ class Evaluator:
                     engine.batch_indices, seen = indices[seen : seen + count], seen + count
                 if staged is not None:
                     engine.outputs = staged(inputs_of(engine.batch))[0]
-                    engine.fire(Event.ON_PREDICT_BATCH)
+                    engine.bus.fire(Event.ON_PREDICT_BATCH)
                     if engine.outputs is not None:
                         outputs.append(engine.outputs)
                     continue
                 with engine.backend.autocast():
                     engine.outputs = engine.wrapped_model(inputs_of(engine.batch))
-                engine.fire(Event.ON_PREDICT_BATCH)
+                engine.bus.fire(Event.ON_PREDICT_BATCH)
                 outputs.append(engine.outputs)
             engine.batch_indices = None
             if gather:
                 result = gather_outputs(engine.backend, outputs, indices)
-            engine.fire(Event.ON_PREDICT_END)
+            engine.bus.fire(Event.ON_PREDICT_END)
         return result
 
     def lockstep(

@@ -91,7 +91,7 @@ class Step:
         n, context = len(batches), engine.context
         for i, batch in enumerate(batches, 1):
             context.batch = self.place(batch)
-            engine.fire(Event.ON_BATCH)  # a callback may replace context.batch
+            engine.bus.fire(Event.ON_BATCH)  # a callback may replace context.batch
             self.gradient_sync(i == n)
             self.forward_backward(engine, context.batch, n)
 
@@ -102,9 +102,9 @@ class Step:
         context.outputs = None  # the last forward's outputs (a language model's logits) do not live through this one
         with self.autocast:
             context.outputs, context.loss = engine.compute_loss(batch)
-        engine.fire(Event.ON_FORWARD)
+        engine.bus.fire(Event.ON_FORWARD)
         self.backward(context.loss, micro_batches)  # type: ignore[arg-type]  # set just above, or by on_forward
-        engine.fire(Event.ON_BACKWARD)
+        engine.bus.fire(Event.ON_BACKWARD)
 
     def finish(self, engine: Engine) -> None:
         """Make the gradients final (e.g. unscale fp16) before on_before_optimizer_step."""
