@@ -31,7 +31,6 @@ OVER_BUDGET: dict[str, int] = {
     "cadence/backends/ft.py::FaultTolerance": 361,
     "cadence/backends/mesh/backend.py": 659,
     "cadence/backends/mesh/backend.py::MeshBackend": 567,
-    "cadence/backends/mesh/pipeline.py": 408,
     "cadence/engine/backend.py": 427,
     "cadence/engine/backend.py::Backend": 314,
     "cadence/engine/bus.py": 455,

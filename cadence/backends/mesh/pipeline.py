@@ -5,7 +5,7 @@ its own stages' layers and removes the others (FQNs are never renumbered, so a
 stage's state dict holds the whole model's keys for its layers and
 checkpoints move between stages and the whole model). Training runs a
 `torch.distributed.pipelining` schedule through the backend's `forward_backward`
-(the step plan's `schedule` slot): the step's gradient-accumulation
+(the `Step`'s `schedule` slot): the step's gradient-accumulation
 micro-batches are the pipeline's micro-batches. Evaluation and prediction run
 forward only, one whole batch at a time, stage after stage (see `eval_forward`).
 See docs/backends.md, "Pipeline parallel".
@@ -13,7 +13,6 @@ See docs/backends.md, "Pipeline parallel".
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from cadence.backends.mesh.stages import prune, shell
 from cadence.engine.events import Event
 
 if TYPE_CHECKING:
@@ -40,9 +40,6 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
     "zbvzerobubble": ("ScheduleZBVZeroBubble", 2, "v"),
     "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
-
-
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
 def _schedule_name(instance: Any, attribute: Any, value: str) -> None:
@@ -144,53 +141,6 @@ def stage_ranks(size: int, parts: int, placement: str) -> list[int]:
     if placement == "v":
         return [s if s < size else 2 * size - 1 - s for s in range(parts)]
     return [s % size for s in range(parts)]
-
-
-def prune(module: torch.nn.Module, keep: Sequence[str], prefix: str = "") -> None:
-    """Remove, in place, every submodule that holds none of `keep` (FQNs); FQNs of the rest are kept.
-
-    Entries of containers (ModuleList, ModuleDict, Sequential) are deleted
-    without renumbering (a container with no entry left stays, empty, so
-    `for layer in self.layers` runs no layer); other attributes become None,
-    so the model's forward skips them (`x = self.norm(x) if self.norm is not
-    None else x`).
-    """
-    for name, child in list(module._modules.items()):
-        if child is None:
-            continue
-        fqn = f"{prefix}{name}"
-        if fqn in keep:
-            continue
-        if any(k.startswith(fqn + ".") for k in keep) or isinstance(child, _CONTAINERS):
-            prune(child, keep, fqn + ".")  # a container none of whose entries is kept stays, empty
-        elif isinstance(module, _CONTAINERS):
-            del module._modules[name]
-        else:
-            module._modules[name] = None
-
-
-def shell(module: torch.nn.Module, keep: Sequence[str], prefix: str = "") -> torch.nn.Module:
-    """A module sharing `module`'s parameters and kept layers, with the layers not in `keep` removed.
-
-    Only the path from the root to the kept layers is copied (shallow: the
-    same parameter and buffer objects), so several stages on one rank train
-    the parameters the rank's model holds.
-    """
-    new = copy.copy(module)
-    new._modules = dict(module._modules)
-    for name, child in list(module._modules.items()):
-        if child is None:
-            continue
-        fqn = f"{prefix}{name}"
-        if fqn in keep:
-            continue
-        if any(k.startswith(fqn + ".") for k in keep) or isinstance(child, _CONTAINERS):
-            new._modules[name] = shell(child, keep, fqn + ".")
-        elif isinstance(module, _CONTAINERS):
-            del new._modules[name]
-        else:
-            new._modules[name] = None
-    return new
 
 
 def refuse_short_steps(engine: Engine, accum: int) -> None:
