@@ -35,7 +35,6 @@ OVER_BUDGET: dict[str, int] = {
     "cadence/engine/backend.py::Backend": 314,
     "cadence/engine/bus.py": 455,
     "cadence/run/config.py": 548,
-    "cadence/engine/data.py": 435,
     "cadence/engine/engine.py": 594,
     "cadence/engine/engine.py::Engine": 546,
 }

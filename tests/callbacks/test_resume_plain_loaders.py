@@ -11,7 +11,7 @@ import torch
 
 import cadence
 from cadence.checkpoint.file_store import FileStore
-from cadence.engine.data import fork_can_deadlock
+from cadence.engine.loader_checks import fork_can_deadlock
 from tests.callbacks import checkpoint_workers as workers
 from tests.callbacks.test_resume import assert_bitwise, in_child, load
 

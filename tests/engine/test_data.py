@@ -12,7 +12,8 @@ import torch._dynamo  # DDP imports it (~1.5 s): once here, not in every forked 
 
 import cadence
 from cadence.backends.ddp import DDPBackend
-from cadence.engine.data import DataConfig, DataSource, ExactShardSampler, fork_can_deadlock
+from cadence.engine.data import DataConfig, DataSource, ExactShardSampler
+from cadence.engine.loader_checks import fork_can_deadlock
 from cadence.launch import launch
 from tests.conftest import tiny_dataset
 
