@@ -71,7 +71,7 @@ def test_sigkill_of_both_ranks_during_uploads_never_shows_a_partial_checkpoint(
     import time
 
     from tests.checkpoint import object_workers
-    from tests.checkpoint.test_object_store import saves
+    from tests.checkpoint.test_object_store import saves, wait_for_an_upload
 
     url = s3_server.url(f"dcp-kills-{async_mode}/checkpoints")
     store = ObjectDCPStore(DCPStore(), url)
@@ -86,12 +86,7 @@ def test_sigkill_of_both_ranks_during_uploads_never_shows_a_partial_checkpoint(
         )
         process.start()
         try:
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline and process.is_alive():
-                new = [done for save, done in saves(s3_server, url).items() if save not in before]
-                if out.exists() and any(new) and not all(new):  # one save committed, the next being uploaded
-                    break
-                time.sleep(0.1)
+            wait_for_an_upload(s3_server, url, before, out, process.is_alive, 240)
             assert process.is_alive(), "the ranks exited before they were killed"
         finally:
             os.killpg(process.pid, signal.SIGKILL)

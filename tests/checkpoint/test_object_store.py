@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,19 @@ def saves(server: S3Server, url: str) -> dict[str, bool]:
         if key.endswith("/manifest.json"):
             found[key.rsplit("/", 2)[-2]] = True
     return found
+
+
+def wait_for_an_upload(
+    server: S3Server, url: str, before: set[str], out: Path, alive: Callable[[], bool], seconds: float
+) -> None:
+    """Poll until the training has restored (`out` is written), committed a save since `before` and is uploading
+    the next, or until it is not `alive()` or `seconds` have passed: the moment a kill tests."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and alive():
+        new = [done for save, done in saves(server, url).items() if save not in before]
+        if out.exists() and any(new) and not all(new):  # one save committed, the next being uploaded
+            return
+        time.sleep(0.1)
 
 
 def targets(store: ObjectStore) -> dict[str, str]:
@@ -174,12 +188,7 @@ def test_sigkill_during_uploads_never_shows_a_partial_checkpoint_and_auto_resume
         )
         try:
             before = set(saves(s3_server, url))
-            deadline = time.monotonic() + 150
-            while time.monotonic() < deadline and child.poll() is None:
-                new = [done for save, done in saves(s3_server, url).items() if save not in before]
-                if out.exists() and any(new) and not all(new):  # one save committed, the next being uploaded
-                    break
-                time.sleep(0.1)
+            wait_for_an_upload(s3_server, url, before, out, lambda child=child: child.poll() is None, 150)
             assert child.poll() is None, f"the training process exited ({child.returncode}) before it was killed"
         finally:
             child.send_signal(signal.SIGKILL)
